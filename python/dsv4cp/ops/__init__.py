@@ -1,0 +1,43 @@
+"""Pure-torch reference ops (CPU and GPU): the ground truth for the kernels."""
+
+from __future__ import annotations
+
+from dsv4cp.ops.attention import sparse_attention
+from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
+from dsv4cp.ops.indexer import (
+    candidate_blocks,
+    indexer_queries,
+    indexer_weights,
+    mqa_logits,
+    topk_among_blocks,
+    topk_indices,
+)
+from dsv4cp.ops.norm import rms_norm
+from dsv4cp.ops.output import grouped_output
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq
+from dsv4cp.ops.swa import store_swa_k, swa_key
+
+__all__ = [
+    "QuantMode",
+    "YarnScaling",
+    "apply_rope",
+    "candidate_blocks",
+    "check_quant_mode",
+    "compressed_key",
+    "compressed_latent",
+    "grouped_output",
+    "index_key",
+    "indexer_queries",
+    "indexer_weights",
+    "mqa_logits",
+    "pair_pool",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "sparse_attention",
+    "store_swa_k",
+    "swa_key",
+    "topk_among_blocks",
+    "topk_indices",
+]

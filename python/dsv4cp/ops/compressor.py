@@ -1,0 +1,55 @@
+"""V4.1 kv-source compressor pieces (attention-math §5.2), quant mode "none"."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv4cp.ops.norm import rms_norm
+from dsv4cp.ops.rope import YarnScaling, apply_rope
+
+
+def pair_pool(kv: Tensor, gate: Tensor, partner_kv: Tensor, partner_gate: Tensor) -> Tensor:
+    """Per-channel softmax over (partner = even token 2j, row = odd token 2j+1); fp32 [T, D]."""
+    g0, g1 = partner_gate.float(), gate.float()
+    m = torch.maximum(g0, g1)
+    e0, e1 = torch.exp(g0 - m), torch.exp(g1 - m)
+    return (e0 * partner_kv.float() + e1 * kv.float()) / (e0 + e1)
+
+
+def compressed_latent(
+    pooled_or_kv: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Pre-RoPE latent L = rms_norm(pooled rounded to dtype), in dtype [n, D]."""
+    return rms_norm(pooled_or_kv.to(dtype), norm_weight, eps, out_dtype=dtype)
+
+
+def compressed_key(
+    latent: Tensor,
+    entry_positions: Tensor,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> Tensor:
+    """Compressed attention key: latent roped at its entry position j·r (no fake fp4)."""
+    return apply_rope(latent, entry_positions, rope_dim, theta, yarn)
+
+
+def index_key(
+    latent: Tensor,
+    wk: Tensor,
+    k_norm_weight: Tensor | None,
+    eps: float,
+    entry_positions: Tensor,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> Tensor:
+    """Index key [n, D_I] = rope(rms_norm(latent @ wkᵀ)); the GEMM and the norm round to latent's
+    dtype."""
+    proj = latent @ wk.to(latent.dtype).t()
+    k = rms_norm(proj, k_norm_weight, eps)
+    return apply_rope(k, entry_positions, rope_dim, theta, yarn)

@@ -1,0 +1,28 @@
+"""Grouped low-rank output projection (attention-math §4.7 steps 2-4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
+    """y [T, d] = flatten(z) @ wo_bᵀ, z[t,g] = wo_a[g] · o[t, heads of g] rounded to o.dtype."""
+    t, h, d = o.shape
+    if h % groups:
+        raise ValueError(f"grouped_output: {h} heads are not divisible into {groups} groups")
+    width = h * d // groups
+    if wo_a.dim() != 2 or wo_a.shape[0] % groups or wo_a.shape[1] != width:
+        raise ValueError(
+            f"grouped_output: wo_a must be [G*R_o, {width}] for G={groups}, got {tuple(wo_a.shape)}"
+        )
+    rank = wo_a.shape[0] // groups
+    if wo_b.dim() != 2 or wo_b.shape[1] != groups * rank:
+        raise ValueError(
+            f"grouped_output: wo_b must be [d, {groups * rank}], got {tuple(wo_b.shape)}"
+        )
+    og = o.float().reshape(t, groups, width)
+    wa = wo_a.float().view(groups, rank, width)
+    z = torch.einsum("tgc,grc->tgr", og, wa).to(o.dtype)
+    y = z.flatten(1).float() @ wo_b.float().t()
+    return y.to(o.dtype)
