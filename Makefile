@@ -1,0 +1,42 @@
+# dsv4cp: `make demo` (install + CP prefill demo) and `make test` (the CI suite) from a clean clone.
+PYTHON ?= python3
+VENV ?= .venv
+SGL_VENV ?= .venv-sglang
+PY := $(VENV)/bin/python
+SGL_PY := $(SGL_VENV)/bin/python
+
+.PHONY: install install-sglang demo test test-core test-sglang lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install-sglang: $(SGL_VENV)/.installed
+
+$(SGL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q -e '.[dev,sglang]'
+	touch $@
+
+demo: install
+	$(PY) -m dsv4cp demo
+
+test: test-core test-sglang
+
+test-core: install
+	$(VENV)/bin/ruff check python tests benchmarks
+	$(PY) -m pytest -q -m "not gpu and not sglang"
+
+test-sglang: install-sglang
+	$(SGL_PY) -m pytest -q -m sglang tests/sglang
+
+lint: install
+	$(VENV)/bin/ruff check python tests benchmarks
+
+clean:
+	rm -rf $(VENV) $(SGL_VENV) build *.egg-info

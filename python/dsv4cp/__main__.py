@@ -1,0 +1,3 @@
+from dsv4cp.cli import main
+
+raise SystemExit(main())

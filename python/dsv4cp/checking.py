@@ -1,0 +1,202 @@
+"""CP=N vs CP=1 agreement on the tiny model: the engine behind `dsv4cp check` and `demo`.
+
+A scenario is a batch of prompts, each with a cached prefix prefilled first and the rest sent in
+chunks; every rank runs the same scenario and rank 0 reports logits, per-layer hidden rows of
+the last chunk, the last top-k per ratio and every cache (by request position, so slot layouts
+need not match).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.runner import PrefillRunner
+from dsv4cp.timing import StageTimer
+
+
+@dataclass(frozen=True)
+class Scenario:
+    lens: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
+    chunk: int = 0  # 0 = all new tokens in one chunk
+    seed: int = 0
+    multistream: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    config: DeepseekV41Config = field(default_factory=DeepseekV41Config.tiny)
+
+    def __post_init__(self) -> None:
+        if not self.lens or any(n < 1 for n in self.lens):
+            raise ValueError(f"lens must be positive integers, got {list(self.lens)}")
+        prefix = self.prefix or (0,) * len(self.lens)
+        if len(prefix) == 1 and len(self.lens) > 1:
+            prefix = prefix * len(self.lens)
+        if len(prefix) != len(self.lens):
+            raise ValueError("--prefix needs one value per length (or a single value)")
+        for n, p in zip(self.lens, prefix):
+            if not 0 <= p < n:
+                raise ValueError(f"prefix {p} must be in [0, {n}) for a prompt of {n} tokens")
+        object.__setattr__(self, "prefix", tuple(prefix))
+        if self.chunk < 0:
+            raise ValueError("chunk must be >= 0")
+
+    def prompts(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(1000 + self.seed)
+        v = self.config.vocab_size
+        return [torch.randint(0, v, (n,), generator=g).tolist() for n in self.lens]
+
+    def steps(self) -> list[dict[str, list[int]]]:
+        """The batches sent in order: prefixes, then the new tokens chunk by chunk."""
+        prompts = self.prompts()
+        out: list[dict[str, list[int]]] = []
+        pre = {f"r{i}": p[:n] for i, (p, n) in enumerate(zip(prompts, self.prefix)) if n}
+        if pre:
+            out.append(pre)
+        rest = {f"r{i}": p[n:] for i, (p, n) in enumerate(zip(prompts, self.prefix))}
+        size = self.chunk or max(len(r) for r in rest.values())
+        a = 0
+        while any(a < len(r) for r in rest.values()):
+            out.append({k: r[a : a + size] for k, r in rest.items() if a < len(r)})
+            a += size
+        return out
+
+
+def run_scenario(
+    sc: Scenario, cp: CPGroup | None = None, *, timer: StageTimer | None = None
+) -> dict[str, Tensor]:
+    """Run `sc` on this rank; returns CPU tensors keyed by what they are."""
+    cp = cp or SingleCPGroup()
+    dtype = getattr(torch, sc.dtype)
+    model = DeepseekV41ForCausalLM(sc.config, dtype=dtype, device=sc.device, seed=sc.seed)
+    total = sum(sc.lens)
+    runner = PrefillRunner(
+        model,
+        cp=cp,
+        multistream=sc.multistream,
+        num_slots=16 * (total // 16 + len(sc.lens) + 2),
+        max_requests=max(4, len(sc.lens)),
+        max_context=max(sc.lens) + 16,
+        page_size=16,
+    )
+    res: dict[str, Tensor] = {}
+    steps = sc.steps()
+    for i, batch in enumerate(steps):
+        last = i == len(steps) - 1
+        out = runner.prefill(batch, record=last, timer=timer)
+        for rid, row in zip(batch, out.logits):
+            res[f"logits/step{i}/{rid}"] = row.detach().float().cpu()
+        if last:
+            assert out.layers is not None and out.topk is not None
+            for name, h in out.layers.items():
+                res[f"hidden/{name}"] = h.detach().float().cpu()
+            for r, t in out.topk.items():
+                res[f"topk/ratio{r}"] = t.detach().cpu()
+    for rid in [f"r{i}" for i in range(len(sc.lens))]:
+        st = runner.alloc.requests[rid]
+        slots = runner.cache.req_to_token[st.row, : st.length]
+        for name, t in runner.cache.state_dict_view().items():
+            res[f"cache/{name}/{rid}"] = t[slots].detach().float().cpu()
+    return res
+
+
+@dataclass
+class Comparison:
+    max_abs: dict[str, float]
+    max_rel: dict[str, float]
+    topk_equal: dict[str, bool]
+    keys_missing: list[str]
+
+    def worst(self, prefix: str) -> float:
+        vals = [v for k, v in self.max_rel.items() if k.startswith(prefix)]
+        return max(vals, default=0.0)
+
+    def passed(self, tol: float) -> bool:
+        return (
+            not self.keys_missing
+            and all(self.topk_equal.values())
+            and all(v <= tol for v in self.max_rel.values())
+        )
+
+
+def compare(ref: dict[str, Tensor], other: dict[str, Tensor]) -> Comparison:
+    missing = sorted(set(ref) ^ set(other))
+    abs_d, rel_d, topk_eq = {}, {}, {}
+    for k in sorted(set(ref) & set(other)):
+        a, b = ref[k], other[k]
+        if k.startswith("topk/"):
+            topk_eq[k] = bool(torch.equal(a.sort(-1).values, b.sort(-1).values))
+            continue
+        diff = (a - b).abs()
+        abs_d[k] = float(diff.max()) if diff.numel() else 0.0
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        rel_d[k] = abs_d[k] / max(scale, 1e-30) if scale else abs_d[k]
+    return Comparison(abs_d, rel_d, topk_eq, missing)
+
+
+def summarize(cmp: Comparison, tol: float) -> dict[str, object]:
+    """Largest differences per layer, for `dsv4cp check --json`."""
+    layers: dict[str, float] = {}
+    for k, v in cmp.max_rel.items():
+        if k.startswith("hidden/"):
+            layers[k.split("/", 1)[1]] = v
+    caches: dict[str, float] = {}
+    for k, v in cmp.max_rel.items():
+        if k.startswith("cache/"):
+            name = k.split("/")[1]
+            caches[name] = max(caches.get(name, 0.0), v)
+    return {
+        "pass": cmp.passed(tol),
+        "tolerance_rel": tol,
+        "logits_max_rel": cmp.worst("logits/"),
+        "layers_max_rel": layers,
+        "caches_max_rel": caches,
+        "topk_identical": all(cmp.topk_equal.values()),
+        "missing": cmp.keys_missing,
+    }
+
+
+def _rank_main(
+    group: CPGroup, sc: Scenario, timed: bool, per_process_gpu: bool
+) -> tuple[dict[str, Tensor], list[tuple[str, float, int]]] | None:
+    if per_process_gpu:
+        torch.cuda.set_device(group.rank % torch.cuda.device_count())
+    timer = StageTimer(sc.device) if timed else None
+    out = run_scenario(sc, group, timer=timer)
+    if group.rank != 0:
+        return None
+    return out, (timer.rows() if timer else [])
+
+
+def run_cp_scenario(
+    sc: Scenario,
+    cp_size: int,
+    backend: str = "gloo",
+    *,
+    timeout_s: float = 60.0,
+    check_order: bool = True,
+    timed: bool = False,
+) -> tuple[dict[str, Tensor], list[tuple[str, float, int]]]:
+    """Rank 0's results (and stage times) of `sc` on `cp_size` ranks.
+
+    backend: "gloo"/"nccl" spawn one process per rank, "fake" runs the ranks as threads.
+    """
+    from dsv4cp.cp.launch import run_cp
+
+    per_process_gpu = sc.device == "cuda" and backend == "nccl"
+    results = run_cp(
+        cp_size,
+        _rank_main,
+        sc,
+        timed,
+        per_process_gpu,
+        backend=backend,
+        timeout_s=timeout_s,
+        check_order=check_order,
+    )
+    return results[0]

@@ -1,0 +1,90 @@
+"""`dsv4cp check`: the tiny model at CP=N against CP=1, largest differences per layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dsv4cp.commands.common import add_cp_args, cp_backend, int_list
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model")
+    add_cp_args(p)
+    p.add_argument("--lens", type=int_list, default=(7, 130), help="prompt lengths, e.g. 7,130")
+    p.add_argument(
+        "--prefix",
+        type=int_list,
+        default=(0,),
+        help="cached prefix per prompt (prefilled first), e.g. 0,5",
+    )
+    p.add_argument("--chunk", type=int, default=0, help="chunked-prefill size (0 = one chunk)")
+    p.add_argument("--tol", type=float, default=1e-5, help="relative tolerance (fp32)")
+    p.add_argument(
+        "--multistream", action="store_true", help="CP=N runs the multistream executor (CUDA only)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsv4cp.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+
+    try:
+        base = Scenario(
+            lens=args.lens, prefix=args.prefix, chunk=args.chunk, seed=args.seed, device=args.device
+        )
+    except ValueError as e:
+        print(f"dsv4cp check: {e}", file=sys.stderr)
+        return 2
+    if args.multistream and args.device != "cuda":
+        print("dsv4cp check: --multistream needs --device cuda", file=sys.stderr)
+        return 2
+    backend = cp_backend(args)
+    log = sys.stderr if args.json else sys.stdout
+    print(
+        f"[1/2] CP=1 reference: lens={list(base.lens)} prefix={list(base.prefix)} "
+        f"chunk={base.chunk} device={base.device}",
+        file=log,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    ref = run_scenario(base)
+    variants = [("serial", base)]
+    if args.multistream:
+        variants = [("multistream", Scenario(**{**base.__dict__, "multistream": True}))]
+    reports = {}
+    for name, sc in variants:
+        print(f"[2/2] CP={args.cp} ({backend}, {name}) ...", file=log, flush=True)
+        got, _ = run_cp_scenario(sc, args.cp, backend, timeout_s=args.timeout, check_order=True)
+        reports[name] = summarize(compare(ref, got), args.tol)
+    ok = all(r["pass"] for r in reports.values())
+    payload = {
+        "cp": args.cp,
+        "backend": backend,
+        "lens": list(base.lens),
+        "prefix": list(base.prefix),
+        "chunk": base.chunk,
+        "seed": base.seed,
+        "device": base.device,
+        "variants": reports,
+        "pass": ok,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        for name, r in reports.items():
+            print(
+                f"\nCP={args.cp} vs CP=1 ({name}): {'PASS' if r['pass'] else 'FAIL'} "
+                f"(tolerance {args.tol:g} relative)"
+            )
+            print(f"  {'layer':<10} {'max rel diff':>14}")
+            for layer, v in r["layers_max_rel"].items():
+                print(f"  {layer:<10} {v:>14.3e}")
+            print(f"  {'logits':<10} {r['logits_max_rel']:>14.3e}")
+            worst = max(r["caches_max_rel"].values(), default=0.0)
+            print(f"  {'caches':<10} {worst:>14.3e}  top-k identical: {r['topk_identical']}")
+    return 0 if ok else 1

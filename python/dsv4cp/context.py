@@ -1,0 +1,52 @@
+"""Per-forward state shared by the layers of one prefill forward on one CP rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dsv4cp.batch import BatchMetadata, TokenMeta
+from dsv4cp.cache import KVCache
+from dsv4cp.cp.comm import CPGroup
+from dsv4cp.cp.layout import CPLayout
+from dsv4cp.timing import StageTimer
+
+
+@dataclass
+class ForwardContext:
+    """Reads are local (`local`: this rank's rows), writes are global (`meta.tokens`).
+
+    Cross-layer results live here, per compress ratio: the index-K workspace built by the kv
+    source, the top-k of the latest index source, and the candidate blocks of the candidate
+    source. The caches are replicated on every rank.
+    """
+
+    cache: KVCache
+    meta: BatchMetadata
+    local: TokenMeta
+    cp: CPGroup
+    layout: CPLayout
+    multistream: bool = False
+    streams: object | None = None  # schedule.StreamPool when multistream
+    logits_budget_bytes: int = 256 << 20
+    index_k_ws: dict[int, Tensor] = field(default_factory=dict)
+    topk: dict[int, Tensor] = field(default_factory=dict)
+    candidates: dict[int, Tensor] = field(default_factory=dict)
+    record: dict[str, Tensor] | None = None  # per-layer outputs kept for `dsv4cp check`
+    lane_hook: object | None = None  # test hook: callable(lane) run at the start of each lane
+    timer: StageTimer | None = None  # per-stage wall time (serial executor only: it syncs)
+
+    def gather(self, x: Tensor, tag: str) -> Tensor:
+        """Local rows [P, ...] → global rows [T, ...] in token order (all-gather + rerange)."""
+        if self.cp.cp_size == 1:
+            return x[: self.layout.num_tokens]
+        return self.layout.unshard(self.cp.all_gather(x.contiguous(), tag=tag))
+
+    def workspace_start(self, ratio: int) -> Tensor:
+        return self.meta.workspace_start(ratio, self.local)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device

@@ -1,0 +1,213 @@
+"""`PrefillRunner`: batch → CP shard → model → gather of the last hidden states → logits.
+
+Decode is an extend of one token per request. Every CP rank calls the runner with the same
+requests; caches are replicated, so each rank's runner owns a full cache.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
+from dsv4cp.cache import KVCache, PagedAllocator, Reservation
+from dsv4cp.context import ForwardContext
+from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.cp.layout import CPLayout
+from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.schedule import StreamPool, lanes_of
+from dsv4cp.timing import StageTimer
+
+Requests = Mapping[object, Sequence[int]] | Sequence[tuple[object, Sequence[int]]]
+
+
+@dataclass
+class PrefillOutput:
+    logits: Tensor  # fp32 [R, V]: the last new token of each request
+    all_logits: Tensor | None  # fp32 [T, V] when asked for
+    hidden: Tensor  # [T, d] global rows, before the final norm
+    layers: dict[str, Tensor] | None  # per-layer global hidden rows when recording
+    topk: dict[int, Tensor] | None  # last top-k per ratio, global rows, when recording
+
+
+class PrefillRunner:
+    def __init__(
+        self,
+        model: DeepseekV41ForCausalLM,
+        cache: KVCache | None = None,
+        *,
+        cp: CPGroup | None = None,
+        multistream: bool = False,
+        num_slots: int = 4096,
+        max_requests: int = 64,
+        max_context: int = 4096,
+        page_size: int = 16,
+    ) -> None:
+        self.model = model
+        self.cache = cache or KVCache(
+            model.config,
+            num_slots,
+            max_requests=max_requests,
+            max_context=max_context,
+            page_size=page_size,
+            device=model.device,
+            dtype=model.dtype,
+        )
+        self.alloc = PagedAllocator(self.cache)
+        self.cp = cp or SingleCPGroup()
+        self.multistream = multistream
+        self.streams: StreamPool | None = None
+        if multistream:
+            if model.device.type != "cuda":
+                raise ValueError("multistream needs a CUDA device (CPU runs the serial schedule)")
+            self.streams = StreamPool(
+                lanes_of([layer.attn.schedule for layer in model.layers]), model.device
+            )
+        self.ratios = sorted({r for r in model.config.layer_ratios if r})
+        self.lane_hook = None  # tests: callable(lane) at the start of every lane (multistream)
+
+    # ------------------------------------------------------------------ prefill
+    def _normalise(self, requests: Requests) -> list[tuple[object, list[int]]]:
+        items = list(requests.items()) if isinstance(requests, Mapping) else list(requests)
+        if not items:
+            raise ValueError("prefill: empty batch (no requests)")
+        out = []
+        vocab = self.model.config.vocab_size
+        seen = set()
+        for rid, toks in items:
+            if rid in seen:
+                raise ValueError(f"prefill: request {rid!r} appears twice in one batch")
+            seen.add(rid)
+            toks = [int(t) for t in toks]
+            if not toks:
+                raise ValueError(f"prefill: request {rid!r} has no new tokens")
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"prefill: request {rid!r} has token id {bad[0]} outside [0, {vocab})"
+                )
+            out.append((rid, toks))
+        return out
+
+    def _check_same_batch(self, items: list[tuple[object, list[int]]], starts: list[int]) -> None:
+        if self.cp.cp_size == 1:
+            return
+        h = 0
+        for (rid, toks), s in zip(items, starts):
+            h = zlib.crc32(repr((rid, s, toks)).encode(), h)
+        mine = torch.tensor(
+            [[len(items), sum(len(t) for _, t in items), h]],
+            dtype=torch.long,
+            device=self.cache.device,
+        )
+        every = self.cp.all_gather(mine, tag="batch/metadata").view(-1, 3)
+        if not bool((every == every[:1]).all()):
+            raise ValueError(
+                "prefill: CP ranks were given different batches (request count, token count or "
+                f"content hash differ: {every.tolist()}); every rank must see the same batch"
+            )
+
+    def prefill(
+        self,
+        requests: Requests,
+        *,
+        starts: Sequence[int | None] | None = None,
+        return_all_logits: bool = False,
+        record: bool = False,
+        timer: StageTimer | None = None,
+    ) -> PrefillOutput:
+        items = self._normalise(requests)
+        starts = list(starts) if starts is not None else [None] * len(items)
+        if len(starts) != len(items):
+            raise ValueError("prefill: starts must have one entry per request")
+        reservations: list[Reservation] = []
+        try:
+            for (rid, toks), s in zip(items, starts):
+                reservations.append(self.alloc.reserve(rid, len(toks), s))
+            self._check_same_batch(items, [r.start for r in reservations])
+            for res in reservations:
+                self.alloc.write_table(res)
+            out = self._forward(items, reservations, return_all_logits, record, timer)
+        except BaseException:
+            for res in reversed(reservations):
+                self.alloc.rollback(res)
+            raise
+        for res in reservations:
+            self.alloc.commit(res)
+        return out
+
+    def _forward(
+        self,
+        items: list[tuple[object, list[int]]],
+        reservations: list[Reservation],
+        return_all_logits: bool,
+        record: bool,
+        timer: StageTimer | None,
+    ) -> PrefillOutput:
+        model, cache = self.model, self.cache
+        batch = PrefillBatch(
+            tuple(
+                RequestSlice(rid, res.row, res.start, tuple(toks))
+                for (rid, toks), res in zip(items, reservations)
+            )
+        )
+        slots = [s for res in reservations for s in res.slots]
+        meta = build_metadata(batch, cache.req_to_token, slots, self.ratios)
+        layout = CPLayout.build(batch.num_tokens, self.cp.cp_size).to(cache.device)
+        local_ids = layout.local_token_ids(self.cp.rank)
+        local = meta.tokens.take(local_ids)
+        input_ids = batch.input_ids(cache.device)
+        ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
+        ctx = ForwardContext(
+            cache=cache,
+            meta=meta,
+            local=local,
+            cp=self.cp,
+            layout=layout,
+            multistream=self.multistream,
+            streams=self.streams,
+            record={} if record else None,
+            timer=timer,
+            lane_hook=self.lane_hook,
+        )
+        with torch.inference_mode():
+            h = model.embed_tokens(ids)
+            h = model.forward_hidden(h, ctx)
+            hidden = ctx.gather(h, "final/hidden")
+            rows = batch.last_token_rows()
+            logits = model.logits(hidden[rows])
+            all_logits = model.logits(hidden) if return_all_logits else None
+            layers = topk = None
+            if record:
+                layers = {k: ctx.gather(v, f"record/{k}") for k, v in ctx.record.items()}
+                topk = {r: ctx.gather(t, f"record/topk{r}") for r, t in sorted(ctx.topk.items())}
+        return PrefillOutput(logits, all_logits, hidden, layers, topk)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, last_tokens: Mapping[object, int]) -> PrefillOutput:
+        """One greedy step: an extend of one token per request."""
+        return self.prefill({rid: [tok] for rid, tok in last_tokens.items()})
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        rids: Sequence[object] | None = None,
+    ) -> list[list[int]]:
+        """Greedy generation: prefill every prompt in one batch, then decode step by step."""
+        rids = list(rids) if rids is not None else [f"gen{i}" for i in range(len(prompts))]
+        out = self.prefill(list(zip(rids, prompts)))
+        tokens = [[int(t)] for t in out.logits.argmax(-1).tolist()]
+        for _ in range(max_new_tokens - 1):
+            out = self.decode({rid: toks[-1] for rid, toks in zip(rids, tokens)})
+            for toks, t in zip(tokens, out.logits.argmax(-1).tolist()):
+                toks.append(int(t))
+        return tokens
+
+    def release(self, rid: object) -> None:
+        self.alloc.free(rid)

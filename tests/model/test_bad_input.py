@@ -1,0 +1,90 @@
+"""Bad input raises a clear exception and leaves the cache exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp.cache import CacheFullError
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.runner import PrefillRunner
+
+
+@pytest.fixture()
+def runner() -> PrefillRunner:
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=0)
+    r = PrefillRunner(model, num_slots=128, max_context=64, max_requests=4, page_size=16)
+    r.prefill({"a": list(range(10))})
+    return r
+
+
+def _snapshot(r: PrefillRunner) -> dict:
+    tensors = {k: v.clone() for k, v in r.cache.state_dict_view().items()}
+    tensors["req_to_token"] = r.cache.req_to_token.clone()
+    alloc = (
+        sorted(r.alloc.free_pages),
+        sorted(r.alloc.free_rows),
+        {k: (v.row, v.length, list(v.pages)) for k, v in r.alloc.requests.items()},
+    )
+    return {"tensors": tensors, "alloc": alloc}
+
+
+def _unchanged(before: dict, after: dict) -> None:
+    assert before["alloc"] == after["alloc"]
+    for k, v in before["tensors"].items():
+        assert torch.equal(v, after["tensors"][k]), k
+
+
+CASES = [
+    ("empty batch", lambda r: r.prefill({}), ValueError, "empty"),
+    ("token out of range", lambda r: r.prefill({"b": [1, 2, 512]}), ValueError, "token id 512"),
+    ("negative token", lambda r: r.prefill({"a": [-1]}), ValueError, "token id -1"),
+    ("no new tokens", lambda r: r.prefill({"a": []}), ValueError, "no new tokens"),
+    (
+        "positions mismatch",
+        lambda r: r.prefill({"a": [1, 2]}, starts=[7]),
+        ValueError,
+        "start at 7 but the cache holds 10",
+    ),
+    (
+        "prefix longer than the cache holds",
+        lambda r: r.prefill({"a": list(range(60))}),
+        CacheFullError,
+        "max_context",
+    ),
+    (
+        "out of pages",
+        lambda r: r.prefill({"b": list(range(60)), "c": list(range(60)), "d": list(range(60))}),
+        CacheFullError,
+        "pages",
+    ),
+    (
+        "one bad request poisons the batch",
+        lambda r: r.prefill({"b": [1, 2], "c": [999]}),
+        ValueError,
+        "token id 999",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,msg", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_and_keeps_cache(runner: PrefillRunner, name, call, exc, msg) -> None:
+    before = _snapshot(runner)
+    with pytest.raises(exc, match=msg):
+        call(runner)
+    _unchanged(before, _snapshot(runner))
+
+
+def test_failure_inside_the_forward_rolls_back(runner: PrefillRunner, monkeypatch) -> None:
+    before = _snapshot(runner)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(runner.model, "forward_hidden", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.prefill({"b": [1, 2, 3]})
+    _unchanged(before, _snapshot(runner))
+    monkeypatch.undo()
+    runner.prefill({"b": [1, 2, 3]})  # and the runner still works
