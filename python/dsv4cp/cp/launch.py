@@ -1,0 +1,302 @@
+"""Start CP ranks as local processes (gloo on CPU, NCCL on GPU) or as threads (fake).
+
+`spawn_ranks(cp, fn, args)` runs fn(group, *args) in `cp` spawned processes and returns their
+results in rank order. The parent owns the rendezvous `TCPStore` (bound to a free localhost
+port by the OS, so there is no port race), watches the children, and when one dies or raises
+it collects the others' errors for `failure_grace_s`, kills whoever is left and raises
+`CPLaunchError` naming every rank's fate. Nothing waits forever: the children's process group
+has `timeout=timedelta(seconds=timeout_s)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue as queue_mod
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv4cp.cp.comm import CPCommError, FakeCPWorld, SingleCPGroup, TorchDistCPGroup, run_ranks
+from dsv4cp.cp.guard import resolve_check_order
+
+__all__ = ["CPLaunchError", "run_cp", "spawn_ranks"]
+
+_HOST = "127.0.0.1"
+
+
+class CPLaunchError(RuntimeError):
+    """A spawned CP rank died, raised, or did not finish in time.
+
+    `rank`: the rank blamed first (one that died, else the first to raise on its own, else
+    the first whose collective failed, else one the launcher killed);
+    `failures`: rank → one-line description for every rank that did not return a result;
+    `tracebacks`: rank → the traceback text a rank sent back."""
+
+    def __init__(self, message: str, *, rank: int, failures: dict[int, str],
+                 tracebacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.failures = failures
+        self.tracebacks = tracebacks
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        items = [_to_cpu(o) for o in obj]
+        return type(obj)(items) if type(obj) in (list, tuple) else obj
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _rank_main(rank: int, cp_size: int, port: int, backend: str, timeout_s: float,
+               check_order: bool, fn: Callable[..., Any], args: tuple,
+               out: Any, env: dict[str, str], num_threads: int | None) -> None:
+    code = 0
+    try:
+        os.environ.update(env)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        td = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(_HOST, port, cp_size, is_master=False, timeout=td)
+        kw: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=cp_size,
+                                timeout=td, **kw)
+        group = TorchDistCPGroup(None, timeout_s=timeout_s, check_order=check_order)
+        payload = pickle.dumps(_to_cpu(fn(group, *args)))
+    except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
+        code = 1
+        try:
+            exc_bytes: bytes | None = pickle.dumps(e)
+            pickle.loads(exc_bytes)
+        except Exception:
+            exc_bytes = None
+        secondary = isinstance(e, CPCommError)  # a collective failed: maybe a peer's fault
+        out.put(("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc(), exc_bytes,
+                 secondary))
+    else:
+        out.put(("ok", rank, payload))
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    # The report is sent: skip the interpreter teardown (about 2 s with torch loaded).
+    with contextlib.suppress(Exception):
+        out.close()
+        out.join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def spawn_ranks(
+    cp_size: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+    check_order: bool | None = None,
+    failure_grace_s: float = 5.0,
+    deadline_s: float | None = None,
+    env: dict[str, str] | None = None,
+    num_threads: int | None = None,
+) -> list[Any]:
+    """Run fn(group, *args) on `cp_size` spawned processes; return the results in rank order.
+
+    fn must be a picklable top-level function; results must be picklable (tensors come back
+    on CPU). `timeout_s` is every collective's timeout (process group and TorchDistCPGroup).
+    `check_order` None → on iff DSV4CP_DEBUG_CP=1. After the first failure the parent waits
+    at most `failure_grace_s` for the other ranks' reports, then kills them. `deadline_s`
+    bounds the whole run (None: no bound beyond the collective timeout). `env` is applied in
+    each child before the process group starts; `num_threads` (default cpu_count // cp_size)
+    is each child's torch thread count. NCCL needs one visible GPU per rank.
+    """
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"spawn_ranks: cp_size must be a positive int, got {cp_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < cp_size:
+        raise ValueError(f"spawn_ranks: NCCL with cp_size {cp_size} needs {cp_size} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
+    if not timeout_s > 0:
+        raise ValueError(f"spawn_ranks: timeout_s must be > 0, got {timeout_s!r}")
+    args = tuple(args)
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(f"spawn_ranks: fn must be a picklable top-level function, got {fn!r} "
+                        f"({type(e).__name__}: {e})") from e
+    try:
+        pickle.dumps(args)
+    except Exception as e:
+        raise TypeError(f"spawn_ranks: args must be picklable ({type(e).__name__}: {e})") from e
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // cp_size)
+
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    store = dist.TCPStore(_HOST, 0, cp_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    flag = resolve_check_order(check_order)
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, cp_size, store.port, backend, float(timeout_s), flag, fn, args,
+                  results_q, dict(env or {}), num_threads),
+            name=f"dsv4cp-cp-rank{r}",
+            daemon=True,
+        )
+        for r in range(cp_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        reports = _collect(procs, results_q, failure_grace_s, deadline_s)
+    finally:
+        stop = time.monotonic() + 2.0  # ranks that reported are only shutting down
+        for p in procs:
+            p.join(timeout=max(0.0, stop - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results_q.close()
+        del store
+    return _finish(reports, backend, cp_size, timeout_s)
+
+
+def _collect(procs: list[Any], q: Any, grace_s: float,
+             deadline_s: float | None) -> dict[int, tuple]:
+    n = len(procs)
+    reports: dict[int, tuple] = {}
+    start = time.monotonic()
+    first_failure: float | None = None
+    dead_since: dict[int, float] = {}
+    while len(reports) < n:
+        try:
+            msg = q.get(timeout=0.05)
+        except queue_mod.Empty:
+            msg = None
+        now = time.monotonic()
+        if msg is not None:
+            reports[msg[1]] = msg
+            if msg[0] != "ok" and first_failure is None:
+                first_failure = now
+            continue
+        for r, p in enumerate(procs):
+            if r in reports or p.exitcode is None:
+                continue
+            # a message may still be in the pipe: give it a moment before declaring death
+            if now - dead_since.setdefault(r, now) > 1.0:
+                reports[r] = ("died", r, f"{_exit_text(p.exitcode)}; see its stderr")
+                if first_failure is None:
+                    first_failure = now
+        late = first_failure is not None and now - first_failure > grace_s
+        over = deadline_s is not None and now - start > deadline_s
+        if late or over:
+            why = (f"no report {grace_s:g}s after the first failure" if late
+                   else f"still running at the {deadline_s:g}s deadline")
+            for r, p in enumerate(procs):
+                if r not in reports:
+                    if p.is_alive():
+                        p.kill()
+                    reports[r] = ("killed", r, f"killed by the launcher ({why})")
+            break
+    return reports
+
+
+def _finish(reports: dict[int, tuple], backend: str, cp_size: int, timeout_s: float) -> list:
+    if all(reports[r][0] == "ok" for r in range(cp_size)):
+        return [pickle.loads(reports[r][2]) for r in range(cp_size)]
+    failures: dict[int, str] = {}
+    tracebacks: dict[int, str] = {}
+    for r, rep in reports.items():
+        if rep[0] == "err":
+            failures[r] = f"raised {rep[2]}"
+            tracebacks[r] = rep[3]
+        elif rep[0] == "died":
+            failures[r] = f"died ({rep[2]}) without reporting a result"
+        elif rep[0] == "killed":
+            failures[r] = rep[2]
+
+    # Blame, in order: a rank that died; one that raised on its own (arrival order); one whose
+    # collective failed (usually a consequence of a peer's failure); one the launcher killed.
+    def blame(r: int) -> int:
+        rep = reports[r]
+        if rep[0] == "died":
+            return 0
+        if rep[0] == "err":
+            return 2 if rep[5] else 1
+        return 3
+
+    arrival = list(reports)
+    order = sorted(failures, key=lambda r: (blame(r), arrival.index(r)))
+    first = order[0]
+    cause: BaseException | None = None
+    for r in order:
+        if reports[r][0] == "err" and reports[r][4] is not None:
+            cause = pickle.loads(reports[r][4])
+            break
+    lines = [f"CP launch failed (backend {backend}, cp_size {cp_size}, timeout {timeout_s:g}s): "
+             f"rank {first} {failures[first]}"]
+    for r in range(cp_size):
+        lines.append(f"  rank {r}: {failures.get(r, 'returned a result')}")
+    for r in [r for r in order if r in tracebacks][:2]:
+        lines.append(f"--- traceback of rank {r} ---\n{tracebacks[r].rstrip()}")
+    err = CPLaunchError("\n".join(lines), rank=first, failures=failures, tracebacks=tracebacks)
+    if cause is not None:
+        raise err from cause
+    raise err
+
+
+def run_cp(
+    cp_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str = "fake",
+    timeout_s: float = 60.0,
+    check_order: bool | None = None,
+) -> list[Any]:
+    """fn(group, *args) on every CP rank, whatever the backend; results in rank order.
+
+    cp_size 1 runs in this thread with a `SingleCPGroup`; "fake" uses threads of this
+    process (`FakeCPWorld`, order guard on unless check_order is False); "gloo"/"nccl" spawn
+    processes (`spawn_ranks`; fn must then be picklable)."""
+    if backend not in ("fake", "gloo", "nccl"):
+        raise ValueError(f"run_cp: backend must be 'fake', 'gloo' or 'nccl', got {backend!r}")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"run_cp: cp_size must be a positive int, got {cp_size!r}")
+    if cp_size == 1:
+        return [fn(SingleCPGroup(), *args)]
+    if backend == "fake":
+        order = True if check_order is None else check_order
+        world = FakeCPWorld(cp_size, timeout_s=timeout_s, check_order=order)
+        return run_ranks(world, fn, *args)
+    return spawn_ranks(cp_size, fn, args, backend=backend, timeout_s=timeout_s,
+                       check_order=check_order)
