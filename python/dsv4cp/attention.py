@@ -62,6 +62,7 @@ class DeepseekV41Attention(nn.Module):
             self.idx_wq_b = _param(c.index_n_heads * c.index_head_dim, c.q_lora_rank, **p)
             self.idx_weights_proj = _param(c.index_n_heads, d, **p)
         self.schedule: Schedule = build_schedule(self)
+        self.schedule_gathers_first: Schedule = build_schedule(self, overlap_gathers=False)
 
     def checkpoint_weights(self) -> dict[str, Tensor]:
         """DeepSeek checkpoint names (under `layers.{i}.attn.`) → views of this layer's weights."""
@@ -91,9 +92,10 @@ class DeepseekV41Attention(nn.Module):
     # ------------------------------------------------------------------ forward
     def prepare(self, x: Tensor, ctx: ForwardContext) -> PrepareState:
         st = PrepareState(ctx, x=x)
+        sched = self.schedule if ctx.overlap_gathers else self.schedule_gathers_first
         if ctx.multistream:
-            return run_multistream(self.schedule, st, ctx.streams, before_lane_start=ctx.lane_hook)
-        return run_serial(self.schedule, st)
+            return run_multistream(sched, st, ctx.streams, before_lane_start=ctx.lane_hook)
+        return run_serial(sched, st)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         st = self.prepare(x, ctx)

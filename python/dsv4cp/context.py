@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.batch import BatchMetadata, TokenMeta
+from dsv4cp.bcg import eager_break
 from dsv4cp.cache import KVCache
 from dsv4cp.cp.comm import CPGroup
 from dsv4cp.cp.layout import CPLayout
@@ -37,11 +38,18 @@ class ForwardContext:
     record: dict[str, Tensor] | None = None  # per-layer outputs kept for `dsv4cp check`
     lane_hook: object | None = None  # test hook: callable(lane) run at the start of each lane
     timer: StageTimer | None = None  # per-stage wall time (serial executor only: it syncs)
+    overlap_gathers: bool = True  # False: gathers are graph breaks, fork the Q lanes after them
 
     def gather(self, x: Tensor, tag: str) -> Tensor:
         """Local rows [P, ...] → global rows [T, ...] in token order (all-gather + rerange)."""
         if self.cp.cp_size == 1:
             return x[: self.layout.num_tokens]
+        if not getattr(self.cp, "capturable", False):
+            # Not capturable (FakeCPGroup threads): an eager break under graphs, a call otherwise.
+            return eager_break(self._gather_now, x, tag)
+        return self._gather_now(x, tag)
+
+    def _gather_now(self, x: Tensor, tag: str) -> Tensor:
         return self.layout.unshard(self.cp.all_gather(x.contiguous(), tag=tag))
 
     def workspace_start(self, ratio: int) -> Tensor:

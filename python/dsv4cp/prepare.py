@@ -32,9 +32,16 @@ if TYPE_CHECKING:
 
 def linear_fp32(x: Tensor, w: Tensor) -> Tensor:
     """x · wᵀ with an fp32 result from bf16/fp32 operands (SGLang's linear_bf16_fp32)."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    global _MM_OUT_DTYPE
+    if x.is_cuda and x.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without bf16 → fp32 `mm(out_dtype=)`
+            _MM_OUT_DTYPE = False
     return x.float() @ w.float().t()
+
+
+_MM_OUT_DTYPE = True
 
 
 # ---------------------------------------------------------------------- node functions
@@ -194,8 +201,13 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
 
 
 # ---------------------------------------------------------------------- schedules
-def build_schedule(attn: DeepseekV41Attention) -> Schedule:
-    """The one description of a layer's prepare; executors in `schedule` run it."""
+def build_schedule(attn: DeepseekV41Attention, *, overlap_gathers: bool = True) -> Schedule:
+    """The one description of a layer's prepare; executors in `schedule` run it.
+
+    `overlap_gathers=False` forks the compute-only lanes after the gathers instead of before
+    them: used when a gather must be an eager graph break (FakeCPGroup under graphs), since a
+    break may not sit inside an open fork.
+    """
     role = attn.role
 
     def node(fn, reads, writes, lane="default", collective=False) -> Node:  # noqa: ANN001
@@ -209,13 +221,14 @@ def build_schedule(attn: DeepseekV41Attention) -> Schedule:
     if kv_src:
         steps.append(node(compressor_proj, ["x"], ["comp_kv"]))
     steps.append(node(q_norm, ["q_raw"], ["q_lora"]))
-    steps.append(Fork(("q", "indexer") if idx else ("q",), compute_only=True))
-    steps.append(node(q_chain, ["q_lora"], ["q"], lane="q"))
+    q_lanes: list = [Fork(("q", "indexer") if idx else ("q",), compute_only=True)]
+    q_lanes.append(node(q_chain, ["q_lora"], ["q"], lane="q"))
     if idx:
-        steps.append(node(indexer_qw, ["q_lora", "x"], ["idx_q", "idx_w"], lane="indexer"))
-    steps.append(node(gather_kv, ["kv_raw"], ["kv_raw_g"], collective=True))
+        q_lanes.append(node(indexer_qw, ["q_lora", "x"], ["idx_q", "idx_w"], lane="indexer"))
+    gathers = [node(gather_kv, ["kv_raw"], ["kv_raw_g"], collective=True)]
     if kv_src:
-        steps.append(node(gather_comp, ["comp_kv"], ["comp_kv_g"], collective=True))
+        gathers.append(node(gather_comp, ["comp_kv"], ["comp_kv_g"], collective=True))
+    steps += q_lanes + gathers if overlap_gathers else gathers + q_lanes
     side = ("swa", "compressor") if kv_src else ("swa",)
     steps.append(Fork(side))
     steps.append(node(swa_store, ["kv_raw_g"], ["swa_cache"], lane="swa"))
@@ -233,4 +246,5 @@ def build_schedule(attn: DeepseekV41Attention) -> Schedule:
         released += ["idx_q", "idx_w"]
     steps.append(Release(tuple(released)))
     outputs = ("q", "swa_cache") + (("topk",) if idx else ())
-    return Schedule(f"layer{role.layer}:{role.name}", tuple(steps), ("x",), outputs)
+    name = f"layer{role.layer}:{role.name}" + ("" if overlap_gathers else ":gathers-first")
+    return Schedule(name, tuple(steps), ("x",), outputs)

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
+from dsv4cp.batch import BatchMetadata, PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.cache import KVCache, PagedAllocator, Reservation
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.comm import CPGroup, SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.graph_runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
 from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.policy import MultistreamPolicy
 from dsv4cp.schedule import StreamPool, lanes_of
 from dsv4cp.timing import StageTimer
 
@@ -41,11 +43,12 @@ class PrefillRunner:
         cache: KVCache | None = None,
         *,
         cp: CPGroup | None = None,
-        multistream: bool = False,
+        multistream: bool | str = False,
         num_slots: int = 4096,
         max_requests: int = 64,
         max_context: int = 4096,
         page_size: int = 16,
+        graphs: GraphConfig | None = None,
     ) -> None:
         self.model = model
         self.cache = cache or KVCache(
@@ -59,16 +62,23 @@ class PrefillRunner:
         )
         self.alloc = PagedAllocator(self.cache)
         self.cp = cp or SingleCPGroup()
-        self.multistream = multistream
+        # True/False force the executor; "auto" (or DSV4CP_MULTISTREAM) asks the policy per batch.
+        if isinstance(multistream, str):
+            self.policy = MultistreamPolicy.from_env(multistream)
+        else:
+            self.policy = MultistreamPolicy(mode="on" if multistream else "off")
         self.streams: StreamPool | None = None
-        if multistream:
-            if model.device.type != "cuda":
-                raise ValueError("multistream needs a CUDA device (CPU runs the serial schedule)")
+        if self.policy.mode == "on" and model.device.type != "cuda":
+            raise ValueError("multistream needs a CUDA device (CPU runs the serial schedule)")
+        if self.policy.mode != "off" and model.device.type == "cuda":
             self.streams = StreamPool(
                 lanes_of([layer.attn.schedule for layer in model.layers]), model.device
             )
         self.ratios = sorted({r for r in model.config.layer_ratios if r})
         self.lane_hook = None  # tests: callable(lane) at the start of every lane (multistream)
+        self.graph_runner: GraphRunner | None = None
+        if graphs is not None:
+            self.capture_graphs(graphs)
 
     # ------------------------------------------------------------------ prefill
     def _normalise(self, requests: Requests) -> list[tuple[object, list[int]]]:
@@ -157,10 +167,28 @@ class PrefillRunner:
         )
         slots = [s for res in reservations for s in res.slots]
         meta = build_metadata(batch, cache.req_to_token, slots, self.ratios)
-        layout = CPLayout.build(batch.num_tokens, self.cp.cp_size).to(cache.device)
+        input_ids = batch.input_ids(cache.device)
+        with torch.inference_mode():
+            bg = None
+            if self.graph_runner is not None and not record and timer is None:
+                bg = self.graph_runner.select(meta)
+            layers = topk = None
+            if bg is not None:
+                hidden = self.graph_runner.replay(bg, meta, input_ids)
+            else:
+                hidden, layers, topk = self._eager(meta, input_ids, record, timer)
+            rows = batch.last_token_rows()
+            logits = model.logits(hidden[rows])
+            all_logits = model.logits(hidden) if return_all_logits else None
+        return PrefillOutput(logits, all_logits, hidden, layers, topk)
+
+    def _eager(
+        self, meta: BatchMetadata, input_ids: Tensor, record: bool, timer: StageTimer | None
+    ) -> tuple[Tensor, dict[str, Tensor] | None, dict[int, Tensor] | None]:
+        model, cache = self.model, self.cache
+        layout = CPLayout.build(meta.tokens.num_rows, self.cp.cp_size).to(cache.device)
         local_ids = layout.local_token_ids(self.cp.rank)
         local = meta.tokens.take(local_ids)
-        input_ids = batch.input_ids(cache.device)
         ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
         ctx = ForwardContext(
             cache=cache,
@@ -168,24 +196,50 @@ class PrefillRunner:
             local=local,
             cp=self.cp,
             layout=layout,
-            multistream=self.multistream,
+            multistream=self.policy.decide(
+                layout.padded_rows, graphs=False, cuda=self.streams is not None
+            ),
             streams=self.streams,
             record={} if record else None,
             timer=timer,
             lane_hook=self.lane_hook,
         )
+        h = model.embed_tokens(ids)
+        h = model.forward_hidden(h, ctx)
+        hidden = ctx.gather(h, "final/hidden")
+        layers = topk = None
+        if record:
+            layers = {k: ctx.gather(v, f"record/{k}") for k, v in ctx.record.items()}
+            topk = {r: ctx.gather(t, f"record/topk{r}") for r, t in sorted(ctx.topk.items())}
+        return hidden, layers, topk
+
+    # ------------------------------------------------------------------ graphs
+    def _graph_body(self, static: StaticBatch) -> Tensor:
+        h, local = embed_static(self.model.embed, static)
+        ctx = ForwardContext(
+            cache=self.cache,
+            meta=static.meta,
+            local=local,
+            cp=self.cp,
+            layout=static.layout,
+            multistream=self.policy.decide(static.layout.padded_rows, graphs=True, cuda=True),
+            streams=self.streams,
+            overlap_gathers=bool(getattr(self.cp, "capturable", False)),
+        )
+        h = self.model.forward_hidden(h, ctx)
+        return ctx.gather(h, "final/hidden")
+
+    def capture_graphs(self, config: GraphConfig) -> list[BucketReport]:
+        """Capture every bucket (largest first, one pool); every CP rank calls this together."""
+        if self.model.device.type != "cuda":
+            raise ValueError("graphs need a CUDA device")
+        self.graph_runner = GraphRunner(config)
         with torch.inference_mode():
-            h = model.embed_tokens(ids)
-            h = model.forward_hidden(h, ctx)
-            hidden = ctx.gather(h, "final/hidden")
-            rows = batch.last_token_rows()
-            logits = model.logits(hidden[rows])
-            all_logits = model.logits(hidden) if return_all_logits else None
-            layers = topk = None
-            if record:
-                layers = {k: ctx.gather(v, f"record/{k}") for k, v in ctx.record.items()}
-                topk = {r: ctx.gather(t, f"record/topk{r}") for r, t in sorted(ctx.topk.items())}
-        return PrefillOutput(logits, all_logits, hidden, layers, topk)
+            return self.graph_runner.capture(
+                self._graph_body,
+                lambda b: StaticBatch(b, config, self.cache.req_to_token, self.ratios, self.cp),
+                self.cp.barrier,
+            )
 
     # ------------------------------------------------------------------ decode
     def decode(self, last_tokens: Mapping[object, int]) -> PrefillOutput:

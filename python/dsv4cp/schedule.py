@@ -17,6 +17,7 @@ GEMM overlap the all-gathers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -24,6 +25,12 @@ from typing import Any, Union
 import torch
 
 DEFAULT = "default"
+_forks = threading.local()
+
+
+def open_fork_lanes() -> list[str]:
+    """Lanes the multistream executor has forked and not yet joined (this thread)."""
+    return sorted(getattr(_forks, "lanes", set()))
 
 
 @dataclass(frozen=True)
@@ -273,27 +280,35 @@ def run_multistream(
     lane (tests inject `torch.cuda._sleep` there to shake out missing dependencies).
     """
     main = torch.cuda.current_stream(streams.device)
-    for step in schedule.steps:
-        if isinstance(step, Fork):
-            for lane in step.lanes:
-                s = streams.get(lane)
-                s.wait_stream(main)
+    open_lanes: set[str] = getattr(_forks, "lanes", set())
+    _forks.lanes = open_lanes
+    try:
+        for step in schedule.steps:
+            if isinstance(step, Fork):
+                for lane in step.lanes:
+                    open_lanes.add(lane)
+                    s = streams.get(lane)
+                    s.wait_stream(main)
+                    if before_lane_start is not None:
+                        with torch.cuda.stream(s):
+                            before_lane_start(lane)
                 if before_lane_start is not None:
-                    with torch.cuda.stream(s):
-                        before_lane_start(lane)
-            if before_lane_start is not None:
-                before_lane_start(DEFAULT)
-        elif isinstance(step, Join):
-            for lane in step.lanes:
-                main.wait_stream(streams.get(lane))
-        elif isinstance(step, Release):
-            for name in step.names:
-                state.pop(name, None)
-        elif step.lane == DEFAULT:
-            _run_node(step, state, False)
-        else:
-            with torch.cuda.stream(streams.get(step.lane)):
+                    before_lane_start(DEFAULT)
+            elif isinstance(step, Join):
+                for lane in step.lanes:
+                    main.wait_stream(streams.get(lane))
+                    open_lanes.discard(lane)
+            elif isinstance(step, Release):
+                for name in step.names:
+                    state.pop(name, None)
+            elif step.lane == DEFAULT:
                 _run_node(step, state, False)
+            else:
+                with torch.cuda.stream(streams.get(step.lane)):
+                    _run_node(step, state, False)
+    finally:
+        for lane in schedule.lanes:
+            open_lanes.discard(lane)
     return state
 
 

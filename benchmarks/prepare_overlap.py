@@ -1,0 +1,159 @@
+"""Serial vs multistream forward prepare of V4.1-Flash layers, eager and inside a CUDA graph.
+
+One run measures, per layer role and local token count: the prepare time (the layer's schedule,
+qkv_a up to and including logits/top-k) for the serial and the multistream executor, eagerly and
+as a captured CUDA graph replay, the overlap metric (fraction of the prepare window in which ≥ 2
+streams run kernels, from a torch.profiler trace of graph replays) and the ratios. CP = 1 (one
+GPU): the gathers are no-ops here; docs/performance.md says what that leaves out.
+
+    python benchmarks/prepare_overlap.py --tokens 512,1024,2048,4096,8192 --out out/prep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from dsv4cp.attention import DeepseekV41Attention
+from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
+from dsv4cp.benchutil import Table, device_info, time_cuda, time_graph, write_json
+from dsv4cp.cache import KVCache
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.context import ForwardContext
+from dsv4cp.cp.comm import SingleCPGroup
+from dsv4cp.cp.layout import CPLayout
+from dsv4cp.profiling import capture_trace, overlap_fraction, plot_timeline
+from dsv4cp.schedule import StreamPool, lanes_of
+
+LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source, r1 reuse, consumer
+
+
+def build_layers(cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = {}
+    for i in ids:
+        attn = DeepseekV41Attention(cfg, i, dtype=dtype, device="cuda")
+        for name, t in attn.checkpoint_weights().items():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif name == "attn_sink":
+                t.normal_(generator=g)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda") / t.shape[-1] ** 0.5)
+        layers[i] = attn
+    return layers
+
+
+def make_ctx(cfg: DeepseekV41Config, tokens: int, dtype: torch.dtype) -> ForwardContext:
+    slots = tokens + 64
+    cache = KVCache(cfg, slots, max_requests=2, max_context=tokens + 16, device="cuda", dtype=dtype)
+    cache.req_to_token[0, :tokens] = torch.arange(1, tokens + 1, device="cuda")
+    batch = PrefillBatch((RequestSlice("r", 0, 0, tuple(range(tokens))),))
+    meta = build_metadata(batch, cache.req_to_token, list(range(1, tokens + 1)), (1, 2))
+    layout = CPLayout.build(tokens, 1).to("cuda")
+    local = meta.tokens.take(layout.local_token_ids(0))
+    return ForwardContext(cache=cache, meta=meta, local=local, cp=SingleCPGroup(), layout=layout)
+
+
+def measure(
+    attn: DeepseekV41Attention, ctx: ForwardContext, x: torch.Tensor, iters: int, png: str | None
+) -> dict:
+    def run(ms: bool) -> None:
+        ctx.multistream = ms
+        attn.prepare(x, ctx)
+
+    res = {}
+    for ms in (False, True):
+        key = "multistream" if ms else "serial"
+        res[f"eager_{key}"] = time_cuda(lambda ms=ms: run(ms), warmup=3, iters=iters)["median_ms"]
+        res[f"graph_{key}"] = time_graph(lambda ms=ms: run(ms), warmup=2, iters=iters)["median_ms"]
+    overlap = {}
+    for ms in (False, True):
+        graph = torch.cuda.CUDAGraph()
+        for _ in range(2):
+            run(ms)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            run(ms)
+        tokens = x.shape[0]
+        trace = capture_trace(graph.replay, path=f"/tmp/prep_{tokens}_{attn.layer}_{int(ms)}.json")
+        kernels = trace.kernels()
+        overlap["multistream" if ms else "serial"] = overlap_fraction(kernels)
+        if ms and png:
+            plot_timeline(
+                kernels,
+                png,
+                highlight=("nccl",),
+                title=f"layer {attn.layer} ({attn.role.name}) prepare, {tokens} tokens, "
+                "multistream, CUDA graph replay",
+            )
+        del graph
+    row = dict(
+        layer=attn.layer,
+        role=attn.role.name,
+        tokens=x.shape[0],
+        **res,
+        overlap_serial=overlap["serial"],
+        overlap_multistream=overlap["multistream"],
+    )
+    row["eager_ratio"] = res["eager_multistream"] / res["eager_serial"]
+    row["graph_ratio"] = res["graph_multistream"] / res["graph_serial"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="512,1024,2048,4096,8192")
+    ap.add_argument("--layers", default=",".join(map(str, LAYERS)))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="out/prepare_overlap.json")
+    ap.add_argument("--png", default=None, help="timeline PNG of one multistream graph replay")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("prepare_overlap: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cfg = DeepseekV41Config.flash()
+    dtype = torch.bfloat16
+    ids = tuple(int(v) for v in args.layers.split(","))
+    layers = build_layers(cfg, ids, dtype)
+    streams = StreamPool(lanes_of([a.schedule for a in layers.values()]), torch.device("cuda"))
+    table = Table(title="forward prepare, V4.1-Flash dims, bf16, CP=1, one request, prefix 0")
+    rows = []
+    png_done = False
+    toks = [int(v) for v in args.tokens.split(",")]
+    for tokens in toks:
+        ctx = make_ctx(cfg, tokens, dtype)
+        ctx.streams = streams
+        x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=dtype)
+        for i in sorted(ids):  # populate cross-layer state (index-K ws, top-k, candidates)
+            layers[i].prepare(x, ctx)
+        for i in ids:
+            want_png = args.png and not png_done and (tokens == 2048 or tokens == toks[-1])
+            row = measure(layers[i], ctx, x, args.iters, args.png if want_png else None)
+            png_done = png_done or bool(want_png)
+            rows.append(row)
+            table.add(row)
+            print(f"  layer {i} tokens {tokens}: graph ratio {row['graph_ratio']:.3f}", flush=True)
+        del ctx
+        torch.cuda.empty_cache()
+    table.print()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(
+        args.out,
+        {
+            "benchmark": "prepare_overlap",
+            "dtype": "bfloat16",
+            "cp": 1,
+            "config": "flash",
+            "gpu": device_info().get("gpu_name"),
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Breakable CUDA graphs: a forward captured as CUDA-graph segments separated by eager breaks.
+
+`BreakableGraph.capture(fn)` runs `fn` on a capture stream; inside it, `eager_break(fn, *args)`
+ends the current segment, runs `fn(*args)` eagerly, keeps its output as a bridge buffer and
+begins the next segment. `replay()` replays segment 0, re-runs break 0 and copies its fresh
+result into the bridge buffer, replays segment 1, and so on. All segments share one memory pool
+(several graphs, e.g. one per token bucket, can share it too). Outside a capture `eager_break`
+just calls `fn`.
+
+Breaks exist only where host data or a non-capturable collective is needed (FakeCPGroup's
+cross-thread gathers); NCCL gathers and everything else — indexer and compressor included — are
+captured. A break inside an open fork/join region would silently lose side-stream work at replay,
+so `eager_break` raises there (invariant 4).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dsv4cp.schedule import open_fork_lanes
+
+_state = threading.local()
+
+
+class GraphBreakError(RuntimeError):
+    pass
+
+
+def current_capture() -> BreakableGraph | None:
+    return getattr(_state, "graph", None)
+
+
+def in_capture() -> bool:
+    return current_capture() is not None
+
+
+@dataclass
+class _Break:
+    fn: Callable[..., Tensor]
+    args: tuple[Any, ...]
+    out: Tensor
+
+
+@dataclass
+class BreakableGraph:
+    pool: Any = None  # torch.cuda graph pool handle; None = a private pool for this graph
+    stream: torch.cuda.Stream | None = None
+    segments: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    breaks: list[_Break] = field(default_factory=list)
+    output: Any = None
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self.segments.append(g)
+
+    def _end(self) -> None:
+        self.segments[-1].capture_end()
+        if self.pool is None:
+            self.pool = self.segments[-1].pool()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        if in_capture():
+            raise GraphBreakError("nested BreakableGraph capture")
+        self.stream = self.stream or torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            _state.graph = self
+            try:
+                self._begin()
+                self.output = fn()
+                self._end()
+            finally:
+                _state.graph = None
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return self.output
+
+    def replay(self) -> Any:
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            for i, seg in enumerate(self.segments):
+                seg.replay()
+                if i < len(self.breaks):
+                    b = self.breaks[i]
+                    b.out.copy_(b.fn(*b.args))
+        main.wait_stream(self.stream)
+        return self.output
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+
+def eager_break(fn: Callable[..., Tensor], *args: Any) -> Tensor:
+    """Run fn(*args) outside the graph (at capture and at every replay); returns a bridge tensor."""
+    graph = current_capture()
+    if graph is None:
+        return fn(*args)
+    lanes = open_fork_lanes()
+    if lanes:
+        raise GraphBreakError(
+            f"eager break inside an open fork/join region (lanes {lanes}); move the break "
+            "before the fork or after the join"
+        )
+    graph._end()
+    out = fn(*args)
+    graph.breaks.append(_Break(fn, args, out))
+    graph._begin()
+    return out

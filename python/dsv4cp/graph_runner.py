@@ -1,0 +1,191 @@
+"""Prefill forwards captured per token bucket as breakable CUDA graphs, replayed per batch.
+
+Each bucket (a global token count) owns static inputs — token ids and every `TokenMeta` field
+at the bucket's capacity, the compressed workspaces at their capacity, the CP layout of the
+bucket — and a `BreakableGraph` of the whole forward (embedding → every layer, indexer and
+compressor included → gather of the last hidden rows). Before a replay the live batch is copied
+into the static buffers in place: live rows first, padding rows invalid (dummy slot 0, position
+0); live lengths only feed metadata, capacities fix the shapes (invariant 5). Batches larger than
+the largest bucket or outside the context bounds run eagerly (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsv4cp.batch import BatchMetadata, CompressedWorkspace, TokenMeta
+from dsv4cp.bcg import BreakableGraph
+from dsv4cp.cp.comm import CPGroup
+from dsv4cp.cp.layout import CPLayout
+
+log = logging.getLogger("dsv4cp.graphs")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    buckets: tuple[int, ...] = (64, 256, 1024)  # global tokens per forward
+    max_requests: int = 8
+    max_context: int = 2048  # bound on one request's prefix + new tokens (logits width)
+    max_batch_context: int = 0  # bound on Σ (prefix + new) over the batch; 0 = 2·max_context
+
+    def __post_init__(self) -> None:
+        if not self.buckets or min(self.buckets) < 1:
+            raise ValueError(f"GraphConfig.buckets must be positive, got {self.buckets}")
+        if self.max_requests < 1 or self.max_context < 1:
+            raise ValueError("GraphConfig.max_requests and max_context must be >= 1")
+
+    @property
+    def batch_context(self) -> int:
+        return self.max_batch_context or 2 * self.max_context
+
+
+@dataclass
+class BucketReport:
+    tokens: int
+    capture_s: float
+    pool_bytes: int
+    segments: int
+
+
+class StaticBatch:
+    """Capture-stable metadata of one bucket; `refresh` copies a live batch in place."""
+
+    def __init__(
+        self, bucket: int, cfg: GraphConfig, req_to_token: Tensor, ratios: list[int],
+        cp: CPGroup,
+    ) -> None:
+        dev = req_to_token.device
+        self.bucket = bucket
+        z = lambda: torch.zeros(bucket, dtype=torch.long, device=dev)  # noqa: E731
+        self.ids = z()
+        self.tokens = TokenMeta(
+            positions=z(), req_row=z(), start=z(), end=z() + 1, slots=z(), batch_index=z(),
+            valid=torch.zeros(bucket, dtype=torch.bool, device=dev), req_to_token=req_to_token,
+        )
+        self.workspaces = {
+            r: CompressedWorkspace(
+                ratio=r,
+                slots=torch.zeros(cfg.batch_context // r + cfg.max_requests, dtype=torch.long,
+                                  device=dev),
+                request_offset=torch.zeros(cfg.max_requests, dtype=torch.long, device=dev),
+                max_entries=cfg.max_context // r,
+            )
+            for r in ratios
+        }
+        self.meta = BatchMetadata(batch=None, tokens=self.tokens, workspaces=self.workspaces)
+        self.layout = CPLayout.build(bucket, cp.cp_size).to(dev)
+        self.local_ids = self.layout.local_token_ids(cp.rank)
+
+    def fits(self, meta: BatchMetadata) -> str | None:
+        """None if the live batch fits this bucket's capacities, else why not."""
+        if meta.tokens.num_rows > self.bucket:
+            return f"{meta.tokens.num_rows} tokens > bucket {self.bucket}"
+        for r, ws in meta.workspaces.items():
+            cap = self.workspaces[r]
+            if ws.slots.numel() > cap.slots.numel():
+                return f"ratio {r}: {ws.slots.numel()} compressed entries > {cap.slots.numel()}"
+            if ws.max_entries > cap.max_entries:
+                return f"ratio {r}: context {ws.max_entries} entries > bound {cap.max_entries}"
+            if ws.request_offset.numel() > cap.request_offset.numel():
+                return f"{ws.request_offset.numel()} requests > {cap.request_offset.numel()}"
+        return None
+
+    def refresh(self, meta: BatchMetadata, input_ids: Tensor) -> None:
+        n = meta.tokens.num_rows
+        live, st = meta.tokens, self.tokens
+        for name, pad in (("positions", 0), ("req_row", 0), ("start", 0), ("end", 1),
+                          ("slots", 0), ("batch_index", 0)):
+            dst = getattr(st, name)
+            dst[:n].copy_(getattr(live, name))
+            dst[n:].fill_(pad)
+        st.valid[:n].copy_(live.valid)
+        st.valid[n:].fill_(False)
+        self.ids[:n].copy_(input_ids)
+        self.ids[n:].fill_(0)
+        for r, ws in meta.workspaces.items():
+            cap = self.workspaces[r]
+            m, k = ws.slots.numel(), ws.request_offset.numel()
+            cap.slots[:m].copy_(ws.slots)
+            cap.slots[m:].fill_(0)
+            cap.request_offset[:k].copy_(ws.request_offset)
+            cap.request_offset[k:].fill_(0)
+
+
+@dataclass
+class BucketGraph:
+    static: StaticBatch
+    graph: BreakableGraph
+    report: BucketReport
+
+
+@dataclass
+class GraphRunner:
+    """Captures `body(static) -> hidden [bucket, d]` for every bucket, largest first."""
+
+    config: GraphConfig
+    graphs: dict[int, BucketGraph] = field(default_factory=dict)
+    fallbacks: int = 0
+    _logged: set[str] = field(default_factory=set)
+
+    def capture(
+        self,
+        body: Callable[[StaticBatch], Tensor],
+        make_static: Callable[[int], StaticBatch],
+        barrier: Callable[[], None],
+    ) -> list[BucketReport]:
+        pool = None
+        for bucket in sorted(set(self.config.buckets), reverse=True):
+            static = make_static(bucket)
+            barrier()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_reserved()
+            t0 = time.perf_counter()
+            body(static)  # warm-up: allocator, cuBLAS workspaces, lazy state (all rows padding)
+            torch.cuda.synchronize()
+            graph = BreakableGraph(pool=pool)
+            graph.capture(lambda static=static: body(static))
+            torch.cuda.synchronize()
+            pool = graph.pool
+            rep = BucketReport(bucket, time.perf_counter() - t0,
+                               torch.cuda.memory_reserved() - before, graph.num_segments)
+            log.info("captured bucket %d tokens: %.2f s, %.1f MiB, %d segment(s)", bucket,
+                     rep.capture_s, rep.pool_bytes / 2**20, rep.segments)
+            self.graphs[bucket] = BucketGraph(static, graph, rep)
+        return self.reports()
+
+    def reports(self) -> list[BucketReport]:
+        return [self.graphs[b].report for b in sorted(self.graphs)]
+
+    def select(self, meta: BatchMetadata) -> BucketGraph | None:
+        reasons = []
+        for bucket in sorted(self.graphs):
+            why = self.graphs[bucket].static.fits(meta)
+            if why is None:
+                return self.graphs[bucket]
+            reasons.append(why)
+        self.fallbacks += 1
+        why = reasons[-1] if reasons else "no graphs captured"
+        if why not in self._logged:
+            self._logged.add(why)
+            log.warning("eager fallback (graphs do not fit): %s", why)
+        return None
+
+    def replay(self, bg: BucketGraph, meta: BatchMetadata, input_ids: Tensor) -> Tensor:
+        bg.static.refresh(meta, input_ids)
+        hidden = bg.graph.replay()
+        return hidden[: meta.tokens.num_rows].clone()
+
+
+def embed_static(embed: Tensor, static: StaticBatch) -> tuple[Tensor, TokenMeta]:
+    """Local token ids and metadata rows of a bucket, computed inside the graph."""
+    local_ids = static.local_ids
+    local = static.tokens.take(local_ids)
+    ids = torch.where(local_ids >= 0, static.ids[local_ids.clamp(min=0)], 0)
+    return F.embedding(ids, embed), local

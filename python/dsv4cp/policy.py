@@ -1,0 +1,71 @@
+"""When does the multistream prepare pay? A per-batch decision from measured thresholds.
+
+Eager multistream costs host time per stream switch and event (it lost on the H200 at every
+token count measured); inside a CUDA graph the forks and joins are free graph edges and the
+overlap pays while the side chains leave SMs idle. The default thresholds come from
+`benchmarks/prepare_overlap.py` (docs/performance.md); `DSV4CP_MULTISTREAM=on|off|auto` and
+`DSV4CP_MULTISTREAM_MAX_TOKENS=N` override them, as do the constructor arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+log = logging.getLogger("dsv4cp.policy")
+
+# Largest local token count at which graph-captured multistream beat serial on the H200.
+DEFAULT_MAX_TOKENS_GRAPH = 8192
+
+
+@dataclass
+class MultistreamPolicy:
+    mode: str = "auto"  # "auto" | "on" | "off"
+    max_tokens_graph: int = DEFAULT_MAX_TOKENS_GRAPH
+    eager: bool = False  # allow multistream outside graphs in auto mode
+    _logged: set[tuple[int, bool]] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"multistream mode must be auto, on or off, got {self.mode!r}")
+        if self.max_tokens_graph < 0:
+            raise ValueError("max_tokens_graph must be >= 0")
+
+    @classmethod
+    def from_env(cls, mode: str | None = None, max_tokens: int | None = None) -> MultistreamPolicy:
+        env_mode = os.environ.get("DSV4CP_MULTISTREAM")
+        env_max = os.environ.get("DSV4CP_MULTISTREAM_MAX_TOKENS")
+        return cls(
+            mode=mode or env_mode or "auto",
+            max_tokens_graph=(
+                max_tokens
+                if max_tokens is not None
+                else int(env_max)
+                if env_max
+                else DEFAULT_MAX_TOKENS_GRAPH
+            ),
+        )
+
+    def decide(self, local_tokens: int, *, graphs: bool, cuda: bool) -> bool:
+        if not cuda:
+            use, why = False, "CPU has no streams"
+        elif self.mode != "auto":
+            use, why = self.mode == "on", f"forced {self.mode}"
+        elif not graphs and not self.eager:
+            use, why = False, "eager launch overhead outweighs the overlap"
+        elif local_tokens > self.max_tokens_graph:
+            use, why = False, f"{local_tokens} local tokens > {self.max_tokens_graph}"
+        else:
+            use, why = True, f"{local_tokens} local tokens <= {self.max_tokens_graph}"
+        key = (local_tokens, graphs)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info(
+                "multistream %s for %d local tokens (graphs=%s): %s",
+                "on" if use else "off",
+                local_tokens,
+                graphs,
+                why,
+            )
+        return use
