@@ -15,6 +15,7 @@ from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.graph_runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.runner import PrefillRunner
 from dsv4cp.timing import StageTimer
@@ -27,6 +28,7 @@ class Scenario:
     chunk: int = 0  # 0 = all new tokens in one chunk
     seed: int = 0
     multistream: bool = False
+    graphs: bool = False  # capture the prefill batches as breakable CUDA graphs (CUDA)
     dtype: str = "float32"
     device: str = "cpu"
     config: DeepseekV41Config = field(default_factory=DeepseekV41Config.tiny)
@@ -75,6 +77,12 @@ def run_scenario(
     dtype = getattr(torch, sc.dtype)
     model = DeepseekV41ForCausalLM(sc.config, dtype=dtype, device=sc.device, seed=sc.seed)
     total = sum(sc.lens)
+    graphs = None
+    if sc.graphs:
+        biggest = max(sum(len(t) for t in b.values()) for b in sc.steps())
+        graphs = GraphConfig(
+            buckets=(biggest,), max_requests=len(sc.lens), max_context=max(sc.lens)
+        )
     runner = PrefillRunner(
         model,
         cp=cp,
@@ -83,12 +91,14 @@ def run_scenario(
         max_requests=max(4, len(sc.lens)),
         max_context=max(sc.lens) + 16,
         page_size=16,
+        graphs=graphs,
     )
     res: dict[str, Tensor] = {}
     steps = sc.steps()
     for i, batch in enumerate(steps):
-        last = i == len(steps) - 1
-        out = runner.prefill(batch, record=last, timer=timer)
+        # Per-layer rows are recorded eagerly only: a graph replay keeps no intermediates.
+        last = i == len(steps) - 1 and not sc.graphs
+        out = runner.prefill(batch, record=last, timer=timer if not sc.graphs else None)
         for rid, row in zip(batch, out.logits):
             res[f"logits/step{i}/{rid}"] = row.detach().float().cpu()
         if last:
