@@ -1,14 +1,17 @@
-"""The ops the model calls, routed to Triton kernels on CUDA or to `dsv4cp.ops` (CPU, or
-`DSV4CP_KERNELS=torch`). The model imports ops only through this module."""
+"""The ops the model calls: Triton kernels on CUDA (`dsv4cp.kernels.dispatch`), `dsv4cp.ops`
+on CPU or with `DSV4CP_KERNELS=torch`. The model imports routed ops only through this module;
+ops without a kernel (RoPE on Q, candidate selection) always run their torch version."""
 
 from __future__ import annotations
 
-from dsv4cp.ops import (  # noqa: F401
-    apply_rope,
-    candidate_blocks,
+from dsv4cp.kernels.dispatch import (  # noqa: F401
+    compressed_key,
+    compressed_latent,
+    index_key,
     mqa_logits,
+    pair_pool,
     sparse_attention,
     store_swa_k,
-    topk_among_blocks,
     topk_indices,
 )
+from dsv4cp.ops import apply_rope, candidate_blocks, topk_among_blocks  # noqa: F401

@@ -15,15 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp import backend as K
-from dsv4cp.ops import (
-    compressed_key,
-    compressed_latent,
-    index_key,
-    indexer_queries,
-    indexer_weights,
-    pair_pool,
-    rms_norm,
-)
+from dsv4cp.ops import indexer_queries, indexer_weights, rms_norm
 from dsv4cp.schedule import Fork, Join, Node, PrepareState, Release, Schedule
 
 if TYPE_CHECKING:
@@ -125,18 +117,18 @@ def compressor(attn: DeepseekV41Attention, st: PrepareState) -> None:
         prev_gate = torch.cat([gate[:1], gate[:-1]])
         partner_kv = torch.where(from_state, cache.pair_kv[attn.layer][read], prev_kv)
         partner_gate = torch.where(from_state, cache.pair_gate[attn.layer][read], prev_gate)
-        pooled = pair_pool(kv, gate, partner_kv, partner_gate)
+        pooled = K.pair_pool(kv, gate, partner_kv, partner_gate)
         write = tok.pair_state_write_slots()
         cache.pair_kv[attn.layer][write] = kv
         cache.pair_gate[attn.layer][write] = gate
     else:
         pooled = g
-    latent = compressed_latent(pooled, attn.comp_norm, attn.eps, attn.dtype)
+    latent = K.compressed_latent(pooled, attn.comp_norm, attn.eps, attn.dtype)
     entry_pos = tok.entry_positions(r)
     emit = tok.emit_slots(r)
-    ckey = compressed_key(latent, entry_pos, attn.rope_dim, attn.theta, attn.yarn)
+    ckey = K.compressed_key(latent, entry_pos, attn.rope_dim, attn.theta, attn.yarn)
     cache.comp_cache(attn.layer)[emit] = ckey.to(cache.dtype)
-    ikey = index_key(
+    ikey = K.index_key(
         latent,
         attn.idx_wk,
         attn.idx_k_norm,

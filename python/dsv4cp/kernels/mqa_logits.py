@@ -1,0 +1,207 @@
+"""Indexer MQA logits: logits[t, j] = Σ_h w[t,h]·relu(q[t,h]·k[k_start[t]+j]) (attention-math §5.3).
+
+One program owns an output tile of BLOCK_T rows × BLOCK_N key columns and loops over the heads:
+each head is one [BLOCK_T, D] × [D, BLOCK_N] tensor-core product whose relu is weighted and
+summed into the fp32 tile in registers, so [T, H, N] is never formed. The key tile is loaded
+once per program and the per-head query tiles are software-pipelined (cp.async). Tiles past the
+row block's largest n_visible only write -inf. Row blocks whose rows do not share one k_start
+are done by a second, per-row kernel (all heads of one row in one product); it exits at once on
+the other blocks, and it is launched only when k_start is given.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels.dispatch import interpreting
+
+# (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
+# --sweep (608 TFLOP/s at T=2048, N=16384, H_I=32 against 560 with 3 stages).
+DEFAULT_CONFIG = (64, 128, 4, 2)
+_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, out_ptr,
+    T, H, N, WIDTH,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    HAS_KSTART: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # Row blocks that share one k_start (all of them without k_start); the others are left to
+    # _mqa_logits_rows_kernel.
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    nvis = tl.minimum(tl.load(nvis_ptr + rows, mask=row_ok, other=0).to(tl.int32), WIDTH)
+    max_vis = tl.max(nvis, 0)
+    if HAS_KSTART:
+        ks = tl.load(kstart_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+        ks_lo = tl.min(tl.where(row_ok, ks, 2147483647), 0)
+        uniform = ks_lo == tl.max(tl.where(row_ok, ks, -1), 0)
+    else:
+        ks_lo = 0
+        uniform = True
+    if uniform:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        if pid_n * BLOCK_N < max_vis:
+            key_rows = ks_lo + cols
+            key_ok = (cols < max_vis) & (key_rows < N)
+            kt = tl.load(
+                k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
+                mask=key_ok[None, :], other=0.0,
+            )
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
+            w_ptrs = w_ptr + rows.to(tl.int64) * stride_wt
+            for _ in tl.range(0, H, num_stages=STAGES):
+                qh = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
+                if UPCAST:
+                    qh = qh.to(tl.float32)
+                s = tl.dot(qh, kt, input_precision=DOT_PREC)
+                acc += tl.maximum(s, 0.0) * wh[:, None]
+                q_ptrs += stride_qh
+                w_ptrs += 1
+        visible = cols[None, :] < nvis[:, None]
+        tl.store(
+            out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
+            tl.where(visible, acc, float("-inf")),
+            mask=row_ok[:, None] & (cols < WIDTH)[None, :],
+        )
+
+
+@triton.jit
+def _mqa_logits_rows_kernel(
+    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, out_ptr,
+    T, H, N, WIDTH,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    D: tl.constexpr,
+    H_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # Row blocks whose rows do not share one k_start: one row at a time, all heads in one product.
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    ks = tl.load(kstart_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    ks_lo = tl.min(tl.where(row_ok, ks, 2147483647), 0)
+    if ks_lo != tl.max(tl.where(row_ok, ks, -1), 0):
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, D)
+        hh = tl.arange(0, H_PAD)
+        h_ok = hh < H
+        for r in range(BLOCK_T):
+            t = pid_t * BLOCK_T + r
+            if t < T:
+                t64 = t.to(tl.int64)
+                ks_t = tl.load(kstart_ptr + t).to(tl.int32)
+                nv_t = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), WIDTH)
+                key_rows = ks_t + cols
+                key_ok = (cols < nv_t) & (key_rows < N)
+                kt = tl.load(
+                    k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
+                    mask=key_ok[None, :], other=0.0,
+                )
+                qt = tl.load(
+                    q_ptr + t64 * stride_qt + hh[:, None] * stride_qh + d[None, :],
+                    mask=h_ok[:, None], other=0.0,
+                )
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                    qt = qt.to(tl.float32)
+                wt = tl.load(w_ptr + t64 * stride_wt + hh, mask=h_ok, other=0.0)
+                s = tl.dot(qt, kt, input_precision=DOT_PREC)
+                row = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
+                row = tl.where(cols < nv_t, row, float("-inf"))
+                tl.store(out_ptr + t64 * stride_ot + cols, row, mask=cols < WIDTH)
+
+
+def check_mqa_logits(q: Tensor, weights: Tensor, k: Tensor, n_visible: Tensor) -> None:
+    """Raise ValueError naming the limit when the kernel cannot take these shapes."""
+    if q.dim() != 3:
+        raise ValueError(f"mqa_logits: q must be [T, H_I, D_I], got {tuple(q.shape)}")
+    t, h, d = q.shape
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"mqa_logits kernel: D_I must be a power of two in [16, 256], got {d}")
+    if h < 1 or h > 128:
+        raise ValueError(f"mqa_logits kernel: H_I must be in [1, 128], got {h}")
+    if k.dim() != 2 or k.shape[1] != d:
+        raise ValueError(f"mqa_logits: k must be [N, {d}], got {tuple(k.shape)}")
+    if weights.shape != (t, h):
+        raise ValueError(f"mqa_logits: weights must be [{t}, {h}], got {tuple(weights.shape)}")
+    if n_visible.shape != (t,):
+        raise ValueError(f"mqa_logits: n_visible must be [{t}], got {tuple(n_visible.shape)}")
+    if q.dtype not in _DOT_DTYPES or k.dtype != q.dtype:
+        raise ValueError(
+            f"mqa_logits kernel: q and k must share one of bf16/fp16/fp32, got {q.dtype}, {k.dtype}"
+        )
+
+
+def mqa_logits(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    *,
+    k_start: Tensor | None = None,
+    width: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> Tensor:
+    """Triton twin of ops.indexer.mqa_logits: fp32 [T, width], -inf for j >= n_visible[t]."""
+    check_mqa_logits(q, weights, k, n_visible)
+    t, h, d = q.shape
+    n = k.shape[0]
+    width = n if width is None else int(width)
+    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    weights = weights.float()
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    n_visible = n_visible.contiguous()
+    if k_start is not None:
+        if k_start.shape != (t,):
+            raise ValueError(f"mqa_logits: k_start must be [{t}], got {tuple(k_start.shape)}")
+        k_start = k_start.contiguous()
+    block_t, block_n, warps, stages = config or DEFAULT_CONFIG
+    grid = (triton.cdiv(width, block_n), triton.cdiv(t, block_t))
+    args = (
+        q, weights, k, n_visible, n_visible if k_start is None else k_start, out,
+        t, h, n, width,
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
+    )
+    # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
+    upcast = interpreting() and q.dtype != torch.float32
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _mqa_logits_kernel[grid](
+        *args, HAS_KSTART=k_start is not None, D=d, BLOCK_T=block_t, BLOCK_N=block_n,
+        STAGES=stages, UPCAST=upcast, DOT_PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    if k_start is not None:
+        _mqa_logits_rows_kernel[grid](
+            *args, D=d, H_PAD=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
+            BLOCK_N=block_n, UPCAST=upcast, DOT_PREC=prec, num_warps=4, num_stages=1,
+        )
+    return out

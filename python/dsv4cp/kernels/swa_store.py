@@ -1,0 +1,311 @@
+"""Fused row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → store at slots.
+
+store_swa_k (attention-math §4.3/§5.1) is norm + rope in fp32, cast once, scattered to the cache
+slots. The compressor (§5.2) reuses the same kernel with its pooling and rounding steps switched
+on (dsv4cp.kernels.compressor). Each program takes BLOCK_T rows of D (padded to a power of two)
+and makes one pass: read the row(s) once, write the result once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels.dispatch import interpreting
+from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
+
+if not interpreting():
+    from triton.language.extra import libdevice
+else:  # the interpreter has no libdevice; tl.math stands in for it there.
+    libdevice = None
+
+MAX_D = 4096
+# (rows per program, num_warps) for a 512-wide row; benchmarks/kernels.py sweeps it.
+DEFAULT_CONFIG = (8, 4)
+
+
+@triton.jit
+def _cos_sin(x, PRECISE: tl.constexpr):
+    """cos and sin of fp32 angles. On the GPU the angle is first reduced modulo 2π in fp64, so
+    libdevice always takes its fast path (|x| > 105615 would take the slow Payne-Hanek one,
+    through local memory, for the large positions of long contexts)."""
+    if PRECISE:
+        x64 = x.to(tl.float64)
+        k = tl.floor(x64 * 0.15915494309189535 + 0.5)
+        r = (x64 - k * 6.283185307179586).to(tl.float32)
+        return libdevice.cos(r), libdevice.sin(r)
+    else:
+        return tl.cos(x), tl.sin(x)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _rsqrt(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.rsqrt(x)
+    else:
+        return 1.0 / tl.sqrt(x)
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """fp32 → DTYPE with round-to-nearest-even. The CPU interpreter truncates fp32 → bf16, so
+    there the rounding is done on the bits first (the GPU cast is RNE already)."""
+    if EMULATE_RNE:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _load_prep(
+    x_ptr, g_ptr, px_ptr, pg_ptr, rows64, cols, ok,
+    stride_x, stride_g, stride_px, stride_pg,
+    POOL: tl.constexpr, ROUND_IN: tl.constexpr, DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """Load x at (rows, cols) as fp32, pair-pooled and rounded to DTYPE when asked."""
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if POOL:
+        # Per-channel softmax over (partner = even token, this row = odd token).
+        g1 = tl.load(g_ptr + rows64[:, None] * stride_g + cols, mask=ok, other=0.0)
+        x0 = tl.load(px_ptr + rows64[:, None] * stride_px + cols, mask=ok, other=0.0)
+        g0 = tl.load(pg_ptr + rows64[:, None] * stride_pg + cols, mask=ok, other=0.0)
+        g0 = g0.to(tl.float32)
+        g1 = g1.to(tl.float32)
+        mx = tl.maximum(g0, g1)
+        e0 = _exp(g0 - mx, PRECISE)
+        e1 = _exp(g1 - mx, PRECISE)
+        x = (e0 * x0.to(tl.float32) + e1 * x) / (e0 + e1)
+    if ROUND_IN:
+        x = to_dtype(x, DTYPE, EMULATE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, g_ptr, px_ptr, pg_ptr, w_ptr, freq_ptr, pos_ptr, slot_ptr, out_ptr, mid_ptr,
+    T, D, ROPE0, eps,
+    stride_x, stride_g, stride_px, stride_pg, stride_out, stride_mid,
+    POOL: tl.constexpr,
+    ROUND_IN: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ROUND_MID: tl.constexpr,
+    ROPE: tl.constexpr,
+    INVERSE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    WRITE_MID: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISE: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    # The whole row is one tile (norm, the unrotated dims, mid); the rope dims are read again as
+    # an (even, odd) pair tile so that cos/sin are evaluated only for the rope_dim / 2 pairs.
+    dt = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = r_ok[:, None] & (cols < D)[None, :]
+    x = _load_prep(
+        x_ptr, g_ptr, px_ptr, pg_ptr, rows64, cols[None, :], ok,
+        stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+    )
+    if NORM:
+        inv = _rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
+        x = x * inv[:, None]
+        if HAS_W:
+            x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    if ROUND_MID:
+        x = to_dtype(x, dt, EMULATE).to(tl.float32)
+    if WRITE_MID:
+        tl.store(
+            mid_ptr + rows64[:, None] * stride_mid + cols[None, :],
+            to_dtype(x, mid_ptr.dtype.element_ty, EMULATE), mask=ok,
+        )
+    if HAS_SLOTS:
+        dst = tl.load(slot_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+    else:
+        dst = rows64
+    out_rows = out_ptr + dst[:, None] * stride_out
+    if ROPE:
+        tl.store(
+            out_rows + cols[None, :], to_dtype(x, dt, EMULATE),
+            mask=r_ok[:, None] & (cols < ROPE0)[None, :],
+        )
+        pair = tl.arange(0, BLOCK_R)
+        p_ok = pair < (D - ROPE0) // 2
+        pk = r_ok[:, None] & p_ok[None, :]
+        ca = (ROPE0 + 2 * pair)[None, :]
+        a = _load_prep(
+            x_ptr, g_ptr, px_ptr, pg_ptr, rows64, ca, pk,
+            stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+        )
+        b = _load_prep(
+            x_ptr, g_ptr, px_ptr, pg_ptr, rows64, ca + 1, pk,
+            stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+        )
+        if NORM:
+            a = a * inv[:, None]
+            b = b * inv[:, None]
+            if HAS_W:
+                a = a * tl.load(w_ptr + ca, mask=p_ok[None, :], other=0.0).to(tl.float32)
+                b = b * tl.load(w_ptr + ca + 1, mask=p_ok[None, :], other=0.0).to(tl.float32)
+        if ROUND_MID:
+            a = to_dtype(a, dt, EMULATE).to(tl.float32)
+            b = to_dtype(b, dt, EMULATE).to(tl.float32)
+        freq = tl.load(freq_ptr + pair, mask=p_ok, other=0.0)
+        pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
+        angle = pos[:, None] * freq[None, :]
+        cos, sin = _cos_sin(angle, PRECISE)
+        if INVERSE:
+            sin = -sin
+        tl.store(out_rows + ca, to_dtype(a * cos - b * sin, dt, EMULATE), mask=pk)
+        tl.store(out_rows + ca + 1, to_dtype(a * sin + b * cos, dt, EMULATE), mask=pk)
+    else:
+        tl.store(out_rows + cols[None, :], to_dtype(x, dt, EMULATE), mask=ok)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None, device: str) -> Tensor:
+    return rope_inv_freq(rope_dim, theta, yarn, device=device)
+
+
+def inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None, device: torch.device) -> Tensor:
+    """ω_i [rope_dim // 2] fp32 on `device`, cached per (rope_dim, theta, yarn, device)."""
+    return _inv_freq(rope_dim, float(theta), yarn, str(device))
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def norm_rope_rows(
+    x: Tensor,
+    out: Tensor,
+    *,
+    positions: Tensor | None,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None,
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+    norm: bool = True,
+    slots: Tensor | None = None,
+    pool: tuple[Tensor, Tensor, Tensor] | None = None,
+    round_in: bool = False,
+    round_mid: bool = False,
+    mid: Tensor | None = None,
+    inverse: bool = False,
+    config: tuple[int, int] | None = None,
+) -> None:
+    """Launch the fused row kernel; rounding steps round to out.dtype. See the module doc."""
+    if x.dim() != 2:
+        raise ValueError(f"norm/rope kernel: rows must be [T, D], got {tuple(x.shape)}")
+    t, d = x.shape
+    if d > MAX_D:
+        raise ValueError(f"norm/rope kernel: D must be at most {MAX_D}, got {d}")
+    if rope_dim % 2 or d % 2 or rope_dim > d or (positions is None and rope_dim):
+        raise ValueError(f"norm/rope kernel: rope_dim {rope_dim} must be even and <= D = {d}")
+    if out.dim() != 2 or out.shape[1] != d:
+        raise ValueError(f"norm/rope kernel: out must be [*, {d}], got {tuple(out.shape)}")
+    if t == 0:
+        return
+    if slots is not None and slots.shape != (t,):
+        raise ValueError(f"norm/rope kernel: slots must be [{t}], got {tuple(slots.shape)}")
+    if positions is not None and positions.shape != (t,):
+        raise ValueError(f"norm/rope kernel: positions must be [{t}], got {tuple(positions.shape)}")
+    if norm_weight is not None and norm_weight.shape != (d,):
+        raise ValueError(f"norm/rope kernel: weight must be [{d}], got {tuple(norm_weight.shape)}")
+    if out.stride(1) != 1 or (mid is not None and mid.stride(1) != 1):
+        raise ValueError("norm/rope kernel: out and mid need unit stride along D")
+    x = _rows(x)
+    g, px, pg = (_rows(p) for p in pool) if pool is not None else (x, x, x)
+    for p in (g, px, pg):
+        if p.shape != x.shape:
+            raise ValueError(f"pair_pool kernel: all four inputs must be {tuple(x.shape)}")
+    rope = rope_dim > 0
+    freq = inv_freq(rope_dim, theta, yarn, x.device) if rope else x
+    block_d = max(16, triton.next_power_of_2(d))
+    rows, warps = config or DEFAULT_CONFIG
+    block_t = max(1, rows * 512 // block_d)
+    _norm_rope_kernel[(triton.cdiv(t, block_t),)](
+        x, g, px, pg,
+        x if norm_weight is None else norm_weight.contiguous(),
+        freq,
+        x if positions is None else positions.contiguous(),
+        x if slots is None else slots.contiguous(),
+        out,
+        out if mid is None else mid,
+        t, d, d - rope_dim, float(eps),
+        x.stride(0), g.stride(0), px.stride(0), pg.stride(0), out.stride(0),
+        out.stride(0) if mid is None else mid.stride(0),
+        POOL=pool is not None,
+        ROUND_IN=round_in,
+        NORM=norm,
+        HAS_W=norm_weight is not None,
+        ROUND_MID=round_mid,
+        ROPE=rope,
+        INVERSE=inverse,
+        HAS_SLOTS=slots is not None,
+        WRITE_MID=mid is not None,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        BLOCK_R=max(16, triton.next_power_of_2(max(1, rope_dim // 2))),
+        PRECISE=not interpreting(),
+        EMULATE=interpreting(),
+        num_warps=warps,
+    )
+
+
+def swa_key(
+    kv_raw: Tensor,
+    positions: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype."""
+    out = torch.empty(kv_raw.shape, dtype=out_dtype or kv_raw.dtype, device=kv_raw.device)
+    norm_rope_rows(
+        kv_raw, out, positions=positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
+        norm_weight=norm_weight, eps=eps,
+    )
+    return out
+
+
+def store_swa_k(
+    kv_raw: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    cache: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> None:
+    """Triton twin of ops.swa.store_swa_k: writes cache[slots] in one pass over kv_raw."""
+    norm_rope_rows(
+        kv_raw, cache, positions=positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
+        norm_weight=norm_weight, eps=eps, slots=slots,
+    )

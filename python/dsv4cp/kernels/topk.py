@@ -1,0 +1,247 @@
+"""Exact per-row top-k indices by threshold search (attention-math §4.5, §5.3).
+
+fp32 logits map to order-preserving int32 keys; a 32-step bitwise search finds the k-th largest
+key τ (each step counts keys ≥ a candidate); the output is every key > τ plus the first
+(k − #greater) keys == τ in index order, so ties resolve to the lowest indices (as the ops twin
+does). Positions come from a prefix sum over the selection mask, which leaves the output sorted
+ascending with no sort. Rows with n ≤ k write 0..n-1 and -1 pads without a search.
+
+Rows up to MAX_SINGLE wide: one program per row, the row in registers for all 32 steps.
+Wider rows, two levels: (1) one program per CHUNK-wide piece finds that piece's k-th largest key,
+and the largest of those is a lower bound of the row's k-th largest (that piece alone holds k
+keys ≥ it); (2) one program per row compacts the keys ≥ the bound (at most pieces·k plus ties,
+in index order) and selects among them in registers. A row whose candidates overflow the buffer
+(heavy ties) falls back to searching the whole row from memory (33 passes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_K = 4096
+MAX_SINGLE = 16384
+CHUNK = 16384  # first-level piece: in registers like a single row
+STREAM = 4096  # chunk width of the streaming passes
+MAX_CAP = 16384
+
+
+@triton.jit
+def _sortable(x):
+    # fp32 → int32 with the same order: negative floats get their magnitude bits flipped.
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_keys(row_ptr, cols, n):
+    x = tl.load(row_ptr + cols, mask=cols < n, other=0.0)
+    return tl.where(cols < n, _sortable(x), -2147483648)
+
+
+@triton.jit
+def _kth_key(keys, K: tl.constexpr):
+    """The K-th largest of `keys` (int32; pads are INT_MIN and never counted)."""
+    # τ is built bit by bit in the unsigned image u = key + 2^31 (held as int64).
+    tau_u = tl.zeros([], dtype=tl.int64)
+    one = tl.full([], 1, tl.int64)
+    half = tl.full([], 2147483648, tl.int64)
+    for i in range(32):
+        cand_u = tau_u + (one << (31 - i))
+        cnt = tl.sum((keys >= (cand_u - half).to(tl.int32)).to(tl.int32), 0)
+        tau_u = tl.where(cnt >= K, cand_u, tau_u)
+    return (tau_u - half).to(tl.int32)
+
+
+@triton.jit
+def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
+    """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
+    gt = keys > tau
+    eq = (keys == tau) & ok
+    need = K - tl.sum(gt.to(tl.int32), 0)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(out_row + pos, idx, mask=sel)
+
+
+@triton.jit
+def _stream_select(row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Whole-row search from memory: 32 counting passes, one counting pass, one writing pass."""
+    cols = tl.arange(0, BLOCK)
+    tau_u = tl.zeros([], dtype=tl.int64)
+    one = tl.full([], 1, tl.int64)
+    half = tl.full([], 2147483648, tl.int64)
+    for i in range(32):
+        cand_u = tau_u + (one << (31 - i))
+        cand = (cand_u - half).to(tl.int32)
+        cnt = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, n, BLOCK):
+            cnt += tl.sum((_load_keys(row_ptr, c0 + cols, n) >= cand).to(tl.int32), 0)
+        tau_u = tl.where(cnt >= K, cand_u, tau_u)
+    tau = (tau_u - half).to(tl.int32)
+    n_gt = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
+    need = K - n_gt
+    eq_before = tl.zeros([], dtype=tl.int32)
+    sel_before = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        cc = c0 + cols
+        kc = _load_keys(row_ptr, cc, n)
+        gt = kc > tau
+        eq = (kc == tau) & (cc < n)
+        sel = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        pos = sel_before + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, cc, mask=sel)
+        eq_before += tl.sum(eq.to(tl.int32), 0)
+        sel_before += tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _row_n(nvis_ptr, row, W):
+    return tl.maximum(tl.minimum(tl.load(nvis_ptr + row).to(tl.int32), W), 0)
+
+
+@triton.jit
+def _store_prefix(out_row, n, K: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    o = tl.arange(0, OUT_BLOCK)
+    tl.store(out_row + o, tl.where(o < n, o, -1), mask=o < K)
+
+
+@triton.jit
+def _topk_row_kernel(
+    logits_ptr, nvis_ptr, out_ptr, W, stride_lt, stride_ot,
+    K: tl.constexpr, OUT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = _row_n(nvis_ptr, row, W)
+    out_row = out_ptr + row * stride_ot
+    if n <= K:
+        _store_prefix(out_row, n, K, OUT_BLOCK)
+    else:
+        cols = tl.arange(0, BLOCK)
+        keys = _load_keys(logits_ptr + row * stride_lt, cols, n)
+        _store_selection(keys, cols, cols < n, _kth_key(keys, K), out_row, K)
+
+
+@triton.jit
+def _piece_kth_kernel(
+    logits_ptr, nvis_ptr, thr_ptr, W, stride_lt, PIECES,
+    K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    n = _row_n(nvis_ptr, row, W)
+    start = piece * BLOCK
+    tau = tl.full([], -2147483648, tl.int32)  # a piece with ≤ K keys bounds nothing
+    if tl.minimum(n - start, BLOCK) > K:
+        keys = _load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
+        tau = _kth_key(keys, K)
+    tl.store(thr_ptr + row * PIECES + piece, tau)
+
+
+@triton.jit
+def _topk_candidates_kernel(
+    logits_ptr, nvis_ptr, thr_ptr, ck_ptr, ci_ptr, out_ptr, W, stride_lt, stride_ot, PIECES,
+    K: tl.constexpr, OUT_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, STREAM_BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = _row_n(nvis_ptr, row, W)
+    row_ptr = logits_ptr + row * stride_lt
+    out_row = out_ptr + row * stride_ot
+    if n <= K:
+        _store_prefix(out_row, n, K, OUT_BLOCK)
+    else:
+        p = tl.arange(0, P_BLOCK)
+        thr = tl.load(thr_ptr + row * PIECES + p, mask=p < PIECES, other=-2147483648)
+        bound = tl.max(thr, 0)
+        cols = tl.arange(0, STREAM_BLOCK)
+        ck_row = ck_ptr + row * CAP
+        ci_row = ci_ptr + row * CAP
+        cnt = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, n, STREAM_BLOCK):
+            cc = c0 + cols
+            kc = _load_keys(row_ptr, cc, n)
+            keep = kc >= bound
+            pos = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(ck_row + pos, kc, mask=keep & (pos < CAP))
+            tl.store(ci_row + pos, cc, mask=keep & (pos < CAP))
+            cnt += tl.sum(keep.to(tl.int32), 0)
+        if cnt <= CAP:
+            tl.debug_barrier()  # the compacted candidates are read back by other threads
+            j = tl.arange(0, CAP)
+            keys = tl.load(ck_row + j, mask=j < cnt, other=-2147483648)
+            idx = tl.load(ci_row + j, mask=j < cnt, other=0)
+            _store_selection(keys, idx, j < cnt, _kth_key(keys, K), out_row, K)
+        else:
+            _stream_select(row_ptr, out_row, n, K, STREAM_BLOCK)
+
+
+def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
+    """Raise ValueError naming the limit when the kernel cannot take these shapes."""
+    if logits.dim() != 2:
+        raise ValueError(f"topk_indices: logits must be [T, W], got {tuple(logits.shape)}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"topk_indices kernel: logits must be fp32, got {logits.dtype}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"topk_indices kernel: k must be in [1, {MAX_K}], got {k}")
+    if n_visible.shape != (logits.shape[0],):
+        raise ValueError(
+            f"topk_indices: n_visible must be [{logits.shape[0]}], got {tuple(n_visible.shape)}"
+        )
+
+
+def _warps(block: int) -> int:
+    return max(4, min(8, block // 2048))
+
+
+def topk_indices(
+    logits: Tensor,
+    n_visible: Tensor,
+    k: int,
+    *,
+    piece: int | None = None,
+    stream: int = STREAM,
+    cap: int | None = None,
+) -> Tensor:
+    """Triton twin of ops.indexer.topk_indices: int32 [T, k], sorted ascending, -1 pads.
+
+    `piece`, `stream` and `cap` override the two-level sizes (tests use them to reach that path,
+    and its overflow fallback, at small widths).
+    """
+    check_topk(logits, n_visible, k)
+    t, w = logits.shape
+    out = torch.empty((t, k), dtype=torch.int32, device=logits.device)  # every slot is written
+    if t == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    n_visible = n_visible.contiguous()
+    out_block = triton.next_power_of_2(k)
+    if piece is None and w <= MAX_SINGLE:
+        block = max(16, triton.next_power_of_2(w))
+        _topk_row_kernel[(t,)](
+            logits, n_visible, out, w, logits.stride(0), out.stride(0),
+            K=k, OUT_BLOCK=out_block, BLOCK=block, num_warps=_warps(block),
+        )
+        return out
+    piece = piece or CHUNK
+    pieces = triton.cdiv(w, piece)
+    # pieces·k bounds the candidates up to ties at the bound (bf16-valued scores tie often): 2x.
+    cap = cap or min(MAX_CAP, max(16, 2 * triton.next_power_of_2(pieces * k)))
+    thr = torch.empty((t, pieces), dtype=torch.int32, device=logits.device)
+    _piece_kth_kernel[(t, pieces)](
+        logits, n_visible, thr, w, logits.stride(0), pieces,
+        K=k, BLOCK=piece, num_warps=_warps(piece),
+    )
+    ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
+    ci = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
+    _topk_candidates_kernel[(t,)](
+        logits, n_visible, thr, ck, ci, out, w, logits.stride(0), out.stride(0), pieces,
+        K=k, OUT_BLOCK=out_block, P_BLOCK=max(16, triton.next_power_of_2(pieces)),
+        STREAM_BLOCK=stream, CAP=cap, num_warps=max(4, min(16, cap // 1024)),
+    )
+    return out

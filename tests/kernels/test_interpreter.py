@@ -1,0 +1,342 @@
+"""The Triton kernels on the CPU through Triton's interpreter, against their ops twins.
+
+TRITON_INTERPRET must be set before triton is imported, and a pytest process may already have
+imported it (other test files), so the cases run in one child process started with that variable
+(this file run as a script). Shapes are small: the interpreter steps every program in Python.
+
+bf16 inputs: the interpreter's bf16 tl.dot is wrong (numpy has no bf16 and the operands are
+reinterpreted), so the dot kernels upcast bf16 operands to fp32 there (`UPCAST`), and its
+fp32 → bf16 cast truncates, so the kernels round to nearest even on the bits there. With both,
+the interpreter reproduces the ops twins to fp32 rounding (dot kernels) or bitwise (row kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = [
+    "mqa_fp32_odd_rows",
+    "mqa_bf16",
+    "mqa_k_start_mixed",
+    "mqa_t1_and_no_visible",
+    "topk_in_registers",
+    "topk_two_level",
+    "topk_n_le_k",
+    "attention_fp32",
+    "attention_bf16_with_invalid",
+    "attention_all_invalid_rows",
+    "swa_key_and_store",
+    "compressor_ratio2",
+    "compressor_ratio1_and_index_key",
+]
+SLOW = ["topk_ties_wide", "attention_real_dims"]
+
+
+def _run_child(cases: list[str]) -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python"))
+    env.pop("DSV4CP_KERNELS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, *cases], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr[-4000:]
+        raise AssertionError(f"interpreter child failed ({proc.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def fast_results() -> dict[str, str]:
+    return _run_child(FAST)
+
+
+@pytest.mark.parametrize("case", FAST)
+def test_interpreter(case: str, fast_results: dict[str, str]) -> None:
+    assert fast_results[case] == "ok", fast_results[case]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW)
+def test_interpreter_slow(case: str) -> None:
+    result = _run_child([case])[case]
+    assert result == "ok", result
+
+
+# ------------------------------------------------------------------ the cases (child process only)
+
+
+def _cases():  # noqa: C901 - one namespace of small check functions
+    import torch
+
+    from dsv4cp import ops
+    from dsv4cp.kernels.compressor import (
+        compress_store,
+        compressed_key,
+        compressed_latent,
+        index_key,
+        pair_pool,
+    )
+    from dsv4cp.kernels.mqa_logits import mqa_logits
+    from dsv4cp.kernels.sparse_attention import sparse_attention
+    from dsv4cp.kernels.swa_store import store_swa_k, swa_key
+    from dsv4cp.kernels.topk import topk_indices
+    from dsv4cp.ops.rope import YarnScaling
+
+    yarn = YarnScaling(16.0, 65536, 32.0, 1.0)
+
+    def rel(out, ref):
+        out, ref = out.double(), ref.double()
+        fin = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(out), fin), "the -inf pattern differs"
+        den = ref[fin].norm().clamp_min(1e-30)
+        return ((out[fin] - ref[fin]).norm() / den).item()
+
+    def logits64(q, w, k, nv, ks=None, width=None):
+        q, w, k = q.double(), w.double(), k.double()
+        t, n = q.shape[0], k.shape[0]
+        width = n if width is None else width
+        ks = torch.zeros(t, dtype=torch.long) if ks is None else ks.long()
+        out = torch.full((t, width), float("-inf"), dtype=torch.float64)
+        for r in range(t):
+            m = min(int(nv[r]), width)
+            rows = k[ks[r] : ks[r] + m]
+            out[r, :m] = (torch.relu(q[r] @ rows.t()) * w[r, :, None]).sum(0)
+        return out
+
+    def check_topk_valid(sel, logits, nv, k):
+        for r in range(logits.shape[0]):
+            n = int(nv[r])
+            got = sel[r]
+            picked = got[got >= 0]
+            assert torch.all(got[len(picked) :] == -1), "pads are not last"
+            assert len(picked) == min(n, k), "wrong count"
+            assert torch.all(picked[1:] > picked[:-1]), "not sorted ascending"
+            if n > k:
+                chosen = torch.zeros(n, dtype=torch.bool)
+                chosen[picked.long()] = True
+                row = logits[r, :n]
+                assert row[chosen].min() >= row[~chosen].max(), "a larger logit was left out"
+
+    def mqa_fp32_odd_rows():
+        torch.manual_seed(1)
+        t, h, d, n = 37, 4, 64, 150
+        q, w, k = torch.randn(t, h, d), torch.randn(t, h), torch.randn(n, d)
+        nv = torch.randint(0, n + 1, (t,))
+        nv[:2] = torch.tensor([n, 0])
+        out = mqa_logits(q, w, k, nv, config=(16, 32, 4, 1))
+        assert rel(out, logits64(q, w, k, nv)) < 1e-5
+        assert rel(out, ops.mqa_logits(q, w, k, nv)) < 1e-5
+
+    def mqa_bf16():
+        torch.manual_seed(2)
+        t, h, d, n = 20, 4, 64, 70
+        q = torch.randn(t, h, d).bfloat16()
+        w, k = torch.randn(t, h), torch.randn(n, d).bfloat16()
+        nv = torch.randint(0, n + 1, (t,))
+        out = mqa_logits(q, w, k, nv, width=80, config=(16, 32, 4, 1))
+        assert rel(out, ops.mqa_logits(q, w, k, nv, width=80)) < 1e-5
+
+    def mqa_k_start_mixed():
+        torch.manual_seed(3)
+        t, h, d, n = 21, 4, 64, 120
+        q, w, k = torch.randn(t, h, d), torch.randn(t, h), torch.randn(n, d)
+        ks = torch.cat([torch.zeros(8, dtype=torch.long), torch.full((13,), 40)])  # 2 requests
+        nv = torch.minimum(torch.randint(0, 90, (t,)), n - ks)
+        out = mqa_logits(q, w, k, nv, k_start=ks, width=64, config=(16, 32, 4, 1))
+        assert rel(out, logits64(q, w, k, nv, ks, 64)) < 1e-5
+        assert rel(out, ops.mqa_logits(q, w, k, nv, k_start=ks, width=64)) < 1e-5
+
+    def mqa_t1_and_no_visible():
+        torch.manual_seed(4)
+        h, d, n = 4, 64, 40
+        q, w, k = torch.randn(1, h, d), torch.randn(1, h), torch.randn(n, d)
+        out = mqa_logits(q, w, k, torch.tensor([n]), config=(16, 32, 4, 1))
+        assert rel(out, logits64(q, w, k, torch.tensor([n]))) < 1e-5
+        q, w = torch.randn(5, h, d), torch.randn(5, h)
+        out = mqa_logits(q, w, k, torch.zeros(5, dtype=torch.long), config=(16, 32, 4, 1))
+        assert torch.all(out == float("-inf"))
+
+    def topk_in_registers():
+        torch.manual_seed(5)
+        t, w, k = 9, 200, 16
+        logits = torch.randn(t, w)
+        nv = torch.tensor([200, 17, 16, 0, 1, 150, 199, 64, 33])
+        got = topk_indices(logits, nv, k)
+        check_topk_valid(got, logits, nv, k)
+        assert torch.equal(got, ops.topk_indices(logits, nv, k))
+
+    def topk_two_level():
+        torch.manual_seed(6)
+        t, w, k = 6, 300, 24
+        logits = torch.randn(t, w)
+        logits[0, 10:90] = 0.5  # a tie straddling the cut and the chunk edges
+        logits[1] = float("-inf")  # visible -inf entries are still candidates
+        logits[1, ::7] = torch.randn(43)
+        nv = torch.tensor([300, 300, 25, 24, 130, 257])
+        want = ops.topk_indices(logits, nv, k)
+        for cap in (None, 32):  # 32: the candidates overflow and the row is searched in memory
+            got = topk_indices(logits, nv, k, piece=64, stream=32, cap=cap)
+            check_topk_valid(got, logits, nv, k)
+            assert torch.equal(got, want)
+
+    def topk_n_le_k():
+        logits = torch.randn(4, 40)
+        nv = torch.tensor([0, 1, 7, 8])
+        got = topk_indices(logits, nv, 8)
+        want = torch.tensor([[-1] * 8, [0] + [-1] * 7, list(range(7)) + [-1], list(range(8))])
+        assert torch.equal(got, want.to(torch.int32))
+
+    def topk_ties_wide():
+        torch.manual_seed(7)
+        t, w, k = 4, 2048, 64
+        logits = torch.randint(0, 5, (t, w)).float()  # heavy ties, also ±0
+        logits[0, ::3] = -0.0
+        nv = torch.tensor([2048, 1000, 65, 2000])
+        for piece in (None, 512):
+            got = topk_indices(logits, nv, k, piece=piece, stream=256)
+            check_topk_valid(got, logits, nv, k)
+            assert torch.equal(got, ops.topk_indices(logits, nv, k))
+
+    def attention_ref64(q, kv, idx, sink, scale):
+        q, kv = q.double(), kv.double()
+        t, h, d = q.shape
+        out = torch.zeros(t, h, d, dtype=torch.float64)
+        for r in range(t):
+            sel = idx[r][idx[r] >= 0].long()
+            s = (q[r] @ kv[sel].t()) * scale
+            allv = torch.cat([s, sink.double()[:, None]], 1)
+            p = torch.softmax(allv, 1)[:, :-1]
+            out[r] = p @ kv[sel]
+        return out
+
+    def attention_fp32():
+        torch.manual_seed(8)
+        t, h, d, n, kk = 5, 4, 96, 50, 40
+        q, kv = torch.randn(t, h, d), torch.randn(n, d)
+        idx = torch.randint(0, n, (t, kk), dtype=torch.int32)
+        sink = torch.randn(h)
+        for config in ((16, 4, 1), (32, 4, 2)):
+            out = sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
+            assert rel(out, attention_ref64(q, kv, idx, sink, d**-0.5)) < 1e-5
+            assert rel(out, ops.sparse_attention(q, kv, idx, sink, d**-0.5)) < 1e-5
+
+    def attention_bf16_with_invalid():
+        torch.manual_seed(9)
+        t, h, d, n, kk = 4, 4, 96, 30, 37
+        q, kv = torch.randn(t, h, d).bfloat16(), torch.randn(n, d).bfloat16()
+        idx = torch.randint(-1, n, (t, kk), dtype=torch.int32)
+        sink = torch.randn(h) * 3
+        q[0] *= 30  # large logits: the running max moves mid-row
+        ref = ops.sparse_attention(q, kv, idx, sink, d**-0.5)
+        for config in ((16, 4, 1),):
+            out = sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
+            assert out.dtype == torch.bfloat16
+            assert rel(out, ref) < 1e-2  # p is rounded to bf16 before p·v, as on the GPU
+
+    def attention_all_invalid_rows():
+        torch.manual_seed(10)
+        t, h, d, n, kk = 3, 4, 32, 10, 16
+        q, kv = torch.randn(t, h, d), torch.randn(n, d)
+        idx = torch.full((t, kk), -1, dtype=torch.int32)
+        idx[1, 3] = 4  # only the window key
+        sink = torch.randn(h)
+        out = sparse_attention(q, kv, idx, sink, 0.1, config=(16, 4, 1))
+        assert torch.all(out[0] == 0) and torch.all(out[2] == 0)
+        assert rel(out, ops.sparse_attention(q, kv, idx, sink, 0.1)) < 1e-5
+        sink_off = torch.full((h,), float("-inf"))
+        out = sparse_attention(q, kv, idx, sink_off, 0.1, config=(16, 4, 1))
+        assert torch.all(out[0] == 0)
+        assert torch.allclose(out[1], kv[4].expand(h, d))
+
+    def attention_real_dims():
+        torch.manual_seed(11)
+        t, h, d, n, kk = 2, 64, 512, 300, 200
+        q, kv = torch.randn(t, h, d).bfloat16(), torch.randn(n, d).bfloat16()
+        idx = torch.randint(-1, n, (t, kk), dtype=torch.int32)
+        sink = torch.randn(h)
+        out = sparse_attention(q, kv, idx, sink, d**-0.5)
+        assert rel(out, ops.sparse_attention(q, kv, idx, sink, d**-0.5)) < 1e-2
+
+    def swa_key_and_store():
+        torch.manual_seed(12)
+        t, d, dr = 13, 96, 32
+        x = torch.randn(t, d).bfloat16()
+        pos = torch.randint(0, 200000, (t,))
+        w = torch.randn(d)
+        for y, theta in ((None, 10000.0), (yarn, 160000.0)):
+            got = swa_key(x, pos, w, 1e-6, dr, theta, y, torch.bfloat16)
+            assert torch.equal(got, ops.swa_key(x, pos, w, 1e-6, dr, theta, y, torch.bfloat16))
+        got = swa_key(x, pos, None, 1e-6, dr, 10000.0, None, torch.float32)
+        want = ops.swa_key(x, pos, None, 1e-6, dr, 10000.0, None, torch.float32)
+        assert (got - want).abs().max() < 1e-5
+        slots = torch.randperm(40)[:t]
+        c1 = torch.full((40, d), 7.0, dtype=torch.bfloat16)
+        c2 = c1.clone()
+        store_swa_k(x, pos, slots, c1, w, 1e-6, dr, 160000.0, yarn)
+        ops.store_swa_k(x, pos, slots, c2, w, 1e-6, dr, 160000.0, yarn)
+        assert torch.equal(c1, c2)
+
+    def compressor_ratio2():
+        torch.manual_seed(13)
+        n, d, dr = 11, 96, 32
+        kv, g, pkv, pg = (torch.randn(n, d) * 2 for _ in range(4))
+        w = torch.randn(d)
+        pos = torch.arange(n) * 2
+        assert (pair_pool(kv, g, pkv, pg) - ops.pair_pool(kv, g, pkv, pg)).abs().max() < 1e-6
+        pooled = ops.pair_pool(kv, g, pkv, pg)
+        lat = compressed_latent(pooled, w, 1e-20, torch.bfloat16)
+        want_lat = ops.compressed_latent(pooled, w, 1e-20, torch.bfloat16)
+        assert torch.equal(lat, want_lat)
+        key = compressed_key(want_lat, pos, dr, 160000.0, yarn)
+        want_key = ops.compressed_key(want_lat, pos, dr, 160000.0, yarn)
+        assert torch.equal(key, want_key)
+        slots = torch.randperm(30)[:n]
+        cache = torch.zeros(30, d, dtype=torch.bfloat16)
+        latent = compress_store(kv, g, pkv, pg, pos, slots, cache, w, 1e-20, dr, 160000.0, yarn)
+        # Pooling may differ from ops in the last fp32 bit (exp), so allow one bf16 step.
+        assert (latent.float() - want_lat.float()).abs().max() <= 2**-7 * want_lat.abs().max()
+        assert (cache[slots].float() - want_key.float()).abs().max() <= 2**-7 * 8
+
+    def compressor_ratio1_and_index_key():
+        torch.manual_seed(14)
+        n, d, dr, di = 9, 96, 32, 64
+        kv = torch.randn(n, d).bfloat16()
+        w = torch.randn(d)
+        pos = torch.arange(n) + 1000
+        slots = torch.randperm(20)[:n]
+        cache = torch.zeros(20, d, dtype=torch.bfloat16)
+        latent = compress_store(
+            kv, None, None, None, pos, slots, cache, w, 1e-20, dr, 160000.0, yarn
+        )
+        want_lat = ops.compressed_latent(kv, w, 1e-20, torch.bfloat16)
+        assert torch.equal(latent, want_lat)
+        assert torch.equal(cache[slots], ops.compressed_key(want_lat, pos, dr, 160000.0, yarn))
+        wk, kn = torch.randn(di, d).bfloat16(), torch.randn(di)
+        got = index_key(latent, wk, kn, 1e-6, pos, dr, 160000.0, yarn)
+        assert torch.equal(got, ops.index_key(latent, wk, kn, 1e-6, pos, dr, 160000.0, yarn))
+
+    return {name: fn for name, fn in locals().items() if name in FAST + SLOW}
+
+
+def _main(names: list[str]) -> None:
+    cases = _cases()
+    results = {}
+    for name in names:
+        try:
+            cases[name]()
+            results[name] = "ok"
+        except Exception:  # report every case, not only the first failure
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

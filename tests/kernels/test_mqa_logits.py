@@ -1,0 +1,103 @@
+"""GPU: the MQA-logits kernel against ops.indexer.mqa_logits (fp32 products of the same inputs).
+
+Tolerance: ‖kernel − ops‖ / ‖ops‖ < 2e-5 over the finite entries and an identical -inf pattern.
+bf16 products are exact in fp32 on the tensor cores; only the fp32 summation order differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp import ops
+from dsv4cp.kernels import dispatch
+from dsv4cp.kernels.mqa_logits import mqa_logits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), fin), "the -inf pattern differs"
+    if not fin.any():
+        return 0.0
+    d = (out[fin].double() - ref[fin].double()).norm()
+    return (d / ref[fin].double().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(t, h, d, n, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(t, h, d, device="cuda", generator=g).to(dtype)
+    w = torch.randn(t, h, device="cuda", generator=g) / 64
+    k = torch.randn(n, d, device="cuda", generator=g).to(dtype)
+    return q, w, k
+
+
+@pytest.mark.parametrize(
+    ("t", "h", "d", "n"),
+    [
+        (256, 32, 128, 4096),
+        (1, 32, 128, 1000),
+        (77, 32, 128, 333),
+        (50, 4, 64, 129),
+        (19, 3, 32, 70),
+    ],
+)
+def test_matches_ops(t: int, h: int, d: int, n: int) -> None:
+    q, w, k = _inputs(t, h, d, n)
+    nv = torch.randint(0, n + 1, (t,), device="cuda")
+    nv[0] = n
+    if t > 2:
+        nv[1] = 0
+    out = mqa_logits(q, w, k, nv)
+    assert out.shape == (t, n) and out.dtype == torch.float32
+    assert _rel(out, ops.mqa_logits(q, w, k, nv)) < 2e-5
+
+
+def test_causal_visible_and_width() -> None:
+    t, h, d, n = 300, 32, 128, 2048
+    q, w, k = _inputs(t, h, d, n, seed=1)
+    nv = torch.arange(t, device="cuda") * 5 + 1  # like ⌊(p+1)/r⌋ growing with the row
+    out = mqa_logits(q, w, k, nv, width=1600)
+    assert _rel(out, ops.mqa_logits(q, w, k, nv, width=1600)) < 2e-5
+
+
+def test_k_start_uniform_and_mixed() -> None:
+    t, h, d, n = 150, 32, 128, 3000
+    q, w, k = _inputs(t, h, d, n, seed=2)
+    ks = torch.full((t,), 500, device="cuda")
+    ks[70:] = 1700  # two requests; the boundary falls inside a 64-row block
+    nv = torch.minimum(torch.randint(0, 1300, (t,), device="cuda"), n - ks)
+    out = mqa_logits(q, w, k, nv, k_start=ks, width=1300)
+    assert _rel(out, ops.mqa_logits(q, w, k, nv, k_start=ks, width=1300)) < 2e-5
+
+
+def test_fp32_inputs() -> None:
+    q, w, k = _inputs(40, 8, 64, 300, dtype=torch.float32, seed=3)
+    nv = torch.randint(0, 301, (40,), device="cuda")
+    assert _rel(mqa_logits(q, w, k, nv), ops.mqa_logits(q, w, k, nv)) < 2e-5
+
+
+def test_no_visible_rows() -> None:
+    q, w, k = _inputs(65, 32, 128, 512, seed=4)
+    out = mqa_logits(q, w, k, torch.zeros(65, dtype=torch.long, device="cuda"))
+    assert torch.all(out == float("-inf"))
+
+
+def test_row_chunked_topk_matches_unchunked() -> None:
+    t, h, d, n = 200, 32, 128, 4096
+    q, w, k = _inputs(t, h, d, n, seed=5)
+    nv = torch.randint(0, n + 1, (t,), device="cuda")
+    whole = dispatch.mqa_topk(q, w, k, nv, 512)
+    chunked = dispatch.mqa_topk(q, w, k, nv, 512, max_logits_bytes=37 * n * 4)
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, ops.topk_indices(mqa_logits(q, w, k, nv), nv, 512))
+
+
+def test_unsupported_head_dim_raises() -> None:
+    q, w, k = _inputs(4, 4, 96, 10)
+    with pytest.raises(ValueError, match="power of two"):
+        dispatch.mqa_logits(q, w, k, torch.full((4,), 10, device="cuda"))

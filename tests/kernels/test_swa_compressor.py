@@ -1,0 +1,91 @@
+"""GPU: the fused norm/RoPE/store kernels against ops.swa and ops.compressor.
+
+Tolerance: every element within one bf16 step of ops (|Δ| ≤ 2^-7·|ops| + 2^-8·max|row|, the
+second term for RoPE outputs that cancel) and at least 97% of elements bitwise equal. The kernel's
+fp32 math differs from torch's only by FMA contraction and reduction order, which can move a
+value across a bf16 rounding boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp import ops
+from dsv4cp.kernels import compressor as kc
+from dsv4cp.kernels.swa_store import store_swa_k, swa_key
+from dsv4cp.ops.rope import YarnScaling
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+YARN = YarnScaling(16.0, 65536, 32.0, 1.0)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    o, r = out.float(), ref.float()
+    row = r.abs().amax(-1, keepdim=True)
+    assert torch.all((o - r).abs() <= 2**-7 * r.abs() + 2**-8 * row), (o - r).abs().max()
+    assert (out == ref).float().mean().item() >= 0.97
+
+
+@pytest.mark.parametrize(("t", "d", "dr"), [(1000, 512, 64), (1, 512, 64), (77, 96, 32)])
+def test_swa(t: int, d: int, dr: int) -> None:
+    x = torch.randn(t, d, device="cuda").bfloat16()
+    pos = torch.randint(0, 1 << 20, (t,), device="cuda")
+    w = torch.rand(d, device="cuda") + 0.5
+    for yarn, theta in ((None, 10000.0), (YARN, 160000.0)):
+        _close(
+            swa_key(x, pos, w, 1e-20, dr, theta, yarn, torch.bfloat16),
+            ops.swa_key(x, pos, w, 1e-20, dr, theta, yarn, torch.bfloat16),
+        )
+    slots = torch.randperm(3 * t, device="cuda")[:t]
+    c1 = torch.full((3 * t, d), 3.0, device="cuda", dtype=torch.bfloat16)
+    c2 = c1.clone()
+    store_swa_k(x, pos, slots, c1, w, 1e-20, dr, 10000.0, None)
+    ops.store_swa_k(x, pos, slots, c2, w, 1e-20, dr, 10000.0, None)
+    _close(c1, c2)
+
+
+@pytest.mark.parametrize(("n", "d", "dr"), [(513, 512, 64), (7, 96, 32)])
+def test_compressor_ratio2(n: int, d: int, dr: int) -> None:
+    kv, g, pkv, pg = (torch.randn(n, d, device="cuda") for _ in range(4))
+    w = torch.rand(d, device="cuda") + 0.5
+    pos = torch.arange(n, device="cuda") * 2
+    assert torch.allclose(kc.pair_pool(kv, g, pkv, pg), ops.pair_pool(kv, g, pkv, pg), atol=1e-5)
+    pooled = ops.pair_pool(kv, g, pkv, pg)
+    lat = ops.compressed_latent(pooled, w, 1e-20, torch.bfloat16)
+    _close(kc.compressed_latent(pooled, w, 1e-20, torch.bfloat16), lat)
+    key = ops.compressed_key(lat, pos, dr, 160000.0, YARN)
+    _close(kc.compressed_key(lat, pos, dr, 160000.0, YARN), key)
+    slots = torch.randperm(2 * n, device="cuda")[:n]
+    cache = torch.zeros(2 * n, d, device="cuda", dtype=torch.bfloat16)
+    latent = kc.compress_store(kv, g, pkv, pg, pos, slots, cache, w, 1e-20, dr, 160000.0, YARN)
+    _close(latent, lat)
+    _close(cache[slots], key)
+    untouched = torch.ones(2 * n, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.all(cache[untouched] == 0)
+
+
+def test_compressor_ratio1_and_index_key() -> None:
+    n, d, dr, di = 1025, 512, 64, 128
+    kv = torch.randn(n, d, device="cuda").bfloat16()
+    w = torch.rand(d, device="cuda") + 0.5
+    pos = torch.arange(n, device="cuda") + 5000
+    slots = torch.randperm(n + 10, device="cuda")[:n]
+    cache = torch.zeros(n + 10, d, device="cuda", dtype=torch.bfloat16)
+    latent = kc.compress_store(
+        kv, None, None, None, pos, slots, cache, w, 1e-20, dr, 160000.0, YARN
+    )
+    want = ops.compressed_latent(kv, w, 1e-20, torch.bfloat16)
+    _close(latent, want)
+    _close(cache[slots], ops.compressed_key(latent, pos, dr, 160000.0, YARN))
+    wk = (torch.randn(di, d, device="cuda") / 20).bfloat16()
+    kn = torch.rand(di, device="cuda") + 0.5
+    _close(
+        kc.index_key(latent, wk, kn, 1e-20, pos, dr, 160000.0, YARN),
+        ops.index_key(latent, wk, kn, 1e-20, pos, dr, 160000.0, YARN),
+    )

@@ -1,0 +1,80 @@
+"""GPU: the top-k kernel against ops.indexer.topk_indices.
+
+Both break exact ties toward the smaller index, so the outputs must be identical; each output is
+also checked on its own terms (count min(n, k), ascending, -1 pads last, and every selected logit
+≥ every visible unselected one: a tie-aware set check).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp import ops
+from dsv4cp.kernels import dispatch
+from dsv4cp.kernels.topk import topk_indices
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _check_valid(sel: torch.Tensor, logits: torch.Tensor, nv: torch.Tensor, k: int) -> None:
+    t, w = logits.shape
+    picked = sel >= 0
+    count = picked.sum(1)
+    assert torch.equal(count, torch.minimum(nv.clamp(0, w), torch.tensor(k, device=nv.device)))
+    pos = torch.arange(k, device=sel.device)
+    assert torch.all(picked == (pos[None, :] < count[:, None])), "-1 pads are not last"
+    big = torch.where(picked, sel, torch.iinfo(torch.int32).max)
+    assert torch.all((big[:, 1:] > big[:, :-1]) | ~picked[:, 1:]), "not strictly ascending"
+    chosen = torch.zeros(t, w + 1, dtype=torch.bool, device=sel.device)  # column w: the pads
+    chosen.scatter_(1, torch.where(picked, sel, w).long(), True)
+    chosen = chosen[:, :w]
+    visible = torch.arange(w, device=sel.device)[None, :] < nv[:, None]
+    low = torch.where(chosen, logits, float("inf")).amin(1)
+    high = torch.where(visible & ~chosen, logits, float("-inf")).amax(1)
+    assert torch.all(low >= high), "a larger visible logit was left out"
+
+
+@pytest.mark.parametrize(
+    ("t", "w", "k"),
+    [
+        (64, 16384, 512),
+        (64, 16384, 1024),
+        (17, 40000, 512),
+        (9, 140000, 1024),
+        (33, 5000, 1024),
+        (1, 700, 8),
+    ],
+)
+def test_matches_ops(t: int, w: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(t + w + k)
+    logits = torch.randn(t, w, device="cuda", generator=g)
+    logits = logits.bfloat16().float()  # bf16 scores: many exact ties, as in V4.1 on Hopper
+    nv = torch.randint(0, w + 1, (t,), device="cuda", generator=g)
+    nv[0] = w
+    if t > 3:
+        nv[1:4] = torch.tensor([0, k, k + 1], device="cuda")
+    sel = topk_indices(logits, nv, k)
+    _check_valid(sel, logits, nv, k)
+    assert torch.equal(sel, ops.topk_indices(logits, nv, k))
+
+
+def test_streaming_path_and_heavy_ties() -> None:
+    t, w, k = 9, 3000, 512
+    logits = torch.randint(0, 3, (t, w), device="cuda").float()
+    logits[0, ::2] = -0.0
+    logits[1] = float("-inf")
+    nv = torch.tensor([3000, 3000, 600, 513, 512, 2999, 100, 0, 2048], device="cuda")
+    for kwargs in ({}, {"piece": 1024}, {"piece": 1024, "cap": 1024}):  # cap: overflow path
+        sel = topk_indices(logits, nv, k, **kwargs)
+        _check_valid(sel, logits, nv, k)
+        assert torch.equal(sel, ops.topk_indices(logits, nv, k))
+
+
+def test_unsupported_k_raises() -> None:
+    logits = torch.randn(2, 10, device="cuda")
+    with pytest.raises(ValueError, match="k must be in"):
+        dispatch.topk_indices(logits, torch.full((2,), 10, device="cuda"), 5000)
