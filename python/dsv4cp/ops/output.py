@@ -21,8 +21,9 @@ def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor
         raise ValueError(
             f"grouped_output: wo_b must be [d, {groups * rank}], got {tuple(wo_b.shape)}"
         )
-    og = o.float().reshape(t, groups, width)
-    wa = wo_a.float().view(groups, rank, width)
-    z = torch.einsum("tgc,grc->tgr", og, wa).to(o.dtype)
-    y = z.flatten(1).float() @ wo_b.float().t()
-    return y.to(o.dtype)
+    # In the activations' dtype: bf16 GEMMs accumulate in fp32 and round once (SGLang's bf16
+    # einsum on SM90); upcasting the weights would cost a full fp32 copy per call.
+    og = o.reshape(t, groups, width)
+    wa = wo_a.to(o.dtype).view(groups, rank, width)
+    z = torch.einsum("tgc,grc->tgr", og, wa)
+    return z.flatten(1) @ wo_b.to(o.dtype).t()
