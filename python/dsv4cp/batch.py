@@ -136,9 +136,10 @@ class TokenMeta:
         return torch.where(self.pair_partner_from_state(), self.slot_of(self.positions - 1), 0)
 
     def pair_state_write_slots(self) -> Tensor:
-        """The trailing unpaired even token of each request is kept for the next chunk."""
-        trailing = (self.positions % 2 == 0) & (self.positions == self.end - 1) & self.valid
-        return torch.where(trailing, self.slots, 0)
+        """Every even token keeps its fp32 kv/gate at its slot: a later chunk, or another
+        request sharing a radix-cache prefix of odd length, may start at its odd partner."""
+        even = (self.positions % 2 == 0) & self.valid
+        return torch.where(even, self.slots, 0)
 
 
 @dataclass

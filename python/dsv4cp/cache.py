@@ -8,7 +8,7 @@ same storage serves dsv4cp's own allocator and SGLang's radix cache:
   block's last token ((j+1)·r − 1). Attention indexes the pool directly, so sparse attention needs
   no workspace copy;
 - index keys per kv source `[num_slots, D_I]`, same addressing as the compressed keys;
-- the ratio-2 pair state (fp32 kv and gate of a trailing unpaired even token) per ratio-2 kv source;
+- the ratio-2 pair state (fp32 kv and gate of every even token, at its slot) per ratio-2 kv source;
 - `req_to_token [max_requests, max_context]`: position → slot per request row.
 
 Slot 0 is reserved as the dummy slot: padding rows write there and nothing valid reads it.

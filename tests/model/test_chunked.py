@@ -30,16 +30,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _cache_rows(runner: PrefillRunner, rid: str) -> dict[str, torch.Tensor]:
-    """Every cache row of the request; the pair state only where it is live (the last token).
-
-    Earlier pair-state rows are stale ring entries of chunk ends (not read again).
-    """
+    """Every cache row of the request (pair state included: every even token keeps one)."""
     st = runner.alloc.requests[rid]
     slots = runner.cache.req_to_token[st.row, : st.length]
-    out = {}
-    for k, v in runner.cache.state_dict_view().items():
-        out[k] = v[slots[-1:]] if k.startswith("pair_") else v[slots]
-    return out
+    return {k: v[slots] for k, v in runner.cache.state_dict_view().items()}
 
 
 def _assert_caches_equal(a: PrefillRunner, ra: str, b: PrefillRunner, rb: str) -> None:
