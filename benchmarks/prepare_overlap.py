@@ -25,6 +25,7 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.comm import SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.policy import MultistreamPolicy
 from dsv4cp.profiling import capture_trace, overlap_fraction, plot_timeline
 from dsv4cp.schedule import StreamPool, lanes_of
 
@@ -101,6 +102,16 @@ def measure(
     )
     row["eager_ratio"] = res["eager_multistream"] / res["eager_serial"]
     row["graph_ratio"] = res["graph_multistream"] / res["graph_serial"]
+    policy = MultistreamPolicy()  # the defaults the runner uses with multistream="auto"
+    for mode in ("eager", "graph"):
+        use = policy.decide(x.shape[0], graphs=mode == "graph", cuda=True) and policy.layer_pays(
+            attn.role
+        )
+        picked = res[f"{mode}_{'multistream' if use else 'serial'}"]
+        best = min(res[f"{mode}_serial"], res[f"{mode}_multistream"])
+        row[f"policy_{mode}"] = "multistream" if use else "serial"
+        # Within 2% (timing noise) of the faster executor counts as not slower.
+        row[f"policy_{mode}_ok"] = picked <= best * 1.02
     return row
 
 
@@ -140,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         del ctx
         torch.cuda.empty_cache()
     table.print()
+    ok = sum(r["policy_eager_ok"] and r["policy_graph_ok"] for r in rows)
+    print(f"policy picks a path no slower than the other (within 2%) in {ok}/{len(rows)} rows")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_json(
         args.out,

@@ -93,7 +93,7 @@ class DeepseekV41Attention(nn.Module):
     def prepare(self, x: Tensor, ctx: ForwardContext) -> PrepareState:
         st = PrepareState(ctx, x=x)
         sched = self.schedule if ctx.overlap_gathers else self.schedule_gathers_first
-        if ctx.multistream:
+        if ctx.multistream and ctx.policy_allows(self.role):
             return run_multistream(sched, st, ctx.streams, before_lane_start=ctx.lane_hook)
         return run_serial(sched, st)
 

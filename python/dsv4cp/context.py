@@ -10,8 +10,10 @@ from torch import Tensor
 from dsv4cp.batch import BatchMetadata, TokenMeta
 from dsv4cp.bcg import eager_break
 from dsv4cp.cache import KVCache
+from dsv4cp.config import LayerRole
 from dsv4cp.cp.comm import CPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.policy import MultistreamPolicy
 from dsv4cp.timing import StageTimer
 
 
@@ -38,6 +40,7 @@ class ForwardContext:
     record: dict[str, Tensor] | None = None  # per-layer outputs kept for `dsv4cp check`
     lane_hook: object | None = None  # test hook: callable(lane) run at the start of each lane
     timer: StageTimer | None = None  # per-stage wall time (serial executor only: it syncs)
+    policy: MultistreamPolicy | None = None  # per-layer say when multistream is on
     overlap_gathers: bool = True  # False: gathers are graph breaks, fork the Q lanes after them
 
     def gather(self, x: Tensor, tag: str) -> Tensor:
@@ -51,6 +54,9 @@ class ForwardContext:
 
     def _gather_now(self, x: Tensor, tag: str) -> Tensor:
         return self.layout.unshard(self.cp.all_gather(x.contiguous(), tag=tag))
+
+    def policy_allows(self, role: LayerRole) -> bool:
+        return self.policy is None or self.policy.layer_pays(role)
 
     def workspace_start(self, ratio: int) -> Tensor:
         return self.meta.workspace_start(ratio, self.local)

@@ -13,6 +13,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from dsv4cp.config import LayerRole
+
 log = logging.getLogger("dsv4cp.policy")
 
 # Largest local token count at which graph-captured multistream beat serial on the H200.
@@ -46,6 +48,14 @@ class MultistreamPolicy:
                 else DEFAULT_MAX_TOKENS_GRAPH
             ),
         )
+
+    def layer_pays(self, role: LayerRole) -> bool:
+        """Only layers with a compressor or an indexer have side work worth a fork: a layer that
+        only stores SWA keys measured the same with and without streams. Forced modes apply to
+        every layer."""
+        if self.mode != "auto":
+            return True
+        return role.owns_compressor or role.index_source
 
     def decide(self, local_tokens: int, *, graphs: bool, cuda: bool) -> bool:
         if not cuda:
