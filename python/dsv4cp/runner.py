@@ -36,6 +36,41 @@ class PrefillOutput:
     topk: dict[int, Tensor] | None  # last top-k per ratio, global rows, when recording
 
 
+def forward_tokens(
+    model: DeepseekV41ForCausalLM,
+    cache: KVCache,
+    meta: BatchMetadata,
+    input_ids: Tensor,
+    cp: CPGroup,
+    *,
+    policy: MultistreamPolicy,
+    streams: StreamPool | None,
+    record: bool = False,
+    timer: StageTimer | None = None,
+    lane_hook: object | None = None,
+) -> tuple[Tensor, ForwardContext]:
+    """One eager forward of a batch whose slots and `req_to_token` rows are already written:
+    CP shard → every layer → gather of the last hidden rows, global order [T, d]."""
+    layout = CPLayout.build(meta.tokens.num_rows, cp.cp_size).to(cache.device)
+    local_ids = layout.local_token_ids(cp.rank)
+    ctx = ForwardContext(
+        cache=cache,
+        meta=meta,
+        local=meta.tokens.take(local_ids),
+        cp=cp,
+        layout=layout,
+        multistream=policy.decide(layout.padded_rows, graphs=False, cuda=streams is not None),
+        streams=streams,
+        policy=policy,
+        record={} if record else None,
+        timer=timer,
+        lane_hook=lane_hook,
+    )
+    ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
+    h = model.forward_hidden(model.embed_tokens(ids), ctx)
+    return ctx.gather(h, "final/hidden"), ctx
+
+
 class PrefillRunner:
     def __init__(
         self,
@@ -185,28 +220,18 @@ class PrefillRunner:
     def _eager(
         self, meta: BatchMetadata, input_ids: Tensor, record: bool, timer: StageTimer | None
     ) -> tuple[Tensor, dict[str, Tensor] | None, dict[int, Tensor] | None]:
-        model, cache = self.model, self.cache
-        layout = CPLayout.build(meta.tokens.num_rows, self.cp.cp_size).to(cache.device)
-        local_ids = layout.local_token_ids(self.cp.rank)
-        local = meta.tokens.take(local_ids)
-        ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
-        ctx = ForwardContext(
-            cache=cache,
-            meta=meta,
-            local=local,
-            cp=self.cp,
-            layout=layout,
-            multistream=self.policy.decide(
-                layout.padded_rows, graphs=False, cuda=self.streams is not None
-            ),
+        hidden, ctx = forward_tokens(
+            self.model,
+            self.cache,
+            meta,
+            input_ids,
+            self.cp,
+            policy=self.policy,
             streams=self.streams,
-            record={} if record else None,
+            record=record,
             timer=timer,
             lane_hook=self.lane_hook,
         )
-        h = model.embed_tokens(ids)
-        h = model.forward_hidden(h, ctx)
-        hidden = ctx.gather(h, "final/hidden")
         layers = topk = None
         if record:
             layers = {k: ctx.gather(v, f"record/{k}") for k, v in ctx.record.items()}
@@ -224,6 +249,7 @@ class PrefillRunner:
             layout=static.layout,
             multistream=self.policy.decide(static.layout.padded_rows, graphs=True, cuda=True),
             streams=self.streams,
+            policy=self.policy,
             overlap_gathers=bool(getattr(self.cp, "capturable", False)),
         )
         h = self.model.forward_hidden(h, ctx)

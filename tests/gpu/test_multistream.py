@@ -58,8 +58,8 @@ def _equal(a, b) -> None:  # noqa: ANN001
         assert torch.equal(ha[k], hb[k]), k
     for k in ta:
         assert torch.equal(ta[k], tb[k]), k
-    for k in ca:
-        assert torch.equal(ca[k], cb[k]), k
+    for k in ca:  # slot 0 is the dummy slot: padding and non-emitting rows all write there
+        assert torch.equal(ca[k][1:], cb[k][1:]), k
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -46,6 +46,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4cp demo: {e}", file=sys.stderr)
         return 2
     backend = cp_backend(args)
+    if args.device == "cpu":
+        # The CP ranks get cpu_count // cp threads each; give the CP=1 run the same, so the two
+        # stage tables compare work, not thread counts.
+        import os
+
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
     print("dsv4cp demo: DeepSeek-V4.1 attention, tiny config (attention-math §11.1), fp32")
     print(f"  layers: {', '.join(f'{r.layer}:{r.name}' for r in cfg.layer_roles())}")
     print(
