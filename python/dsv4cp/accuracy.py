@@ -1,0 +1,226 @@
+"""`dsv4cp accuracy`: a running server's greedy output against dsv4cp's own runner.
+
+A fixed prompt set (several lengths, two prompts sharing a long prefix, one longer than a typical
+small chunked-prefill size) goes to the server's `/generate` with greedy sampling, input and
+output logprobs. The reference replays each prompt through `PrefillRunner` on the same checkpoint,
+teacher-forced with the server's tokens, so one near-tie flip does not cascade. A prompt passes
+when every greedy token matches (or the two candidates are within `atol` in the reference: a tie)
+and every compared logprob (chosen token, top-k, prompt tokens) is within `atol`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BASE_SENTENCE = (
+    "the quick brown fox jumps over the lazy dog while a distant bell rings twice at dawn and "
+)
+
+PROMPTS: tuple[str, ...] = (
+    "Hello",
+    "DeepSeek attention under context parallelism.",
+    BASE_SENTENCE * 2 + "then what?",
+    BASE_SENTENCE * 2 + "and nobody listens to it anymore.",  # shares a prefix with the one above
+    "Numbers: " + " ".join(str(i) for i in range(60)),
+    BASE_SENTENCE * 6 + "the end.",
+)
+
+
+@dataclass
+class PromptResult:
+    index: int
+    prompt_len: int
+    steps: int
+    matched: int
+    ties: int
+    first_mismatch: int | None
+    max_output_diff: float
+    max_top_diff: float
+    max_input_diff: float
+    error: str | None = None
+
+    def passed(self, atol: float) -> bool:
+        if self.error is not None:
+            return False
+        return (
+            self.matched + self.ties == self.steps
+            and max(self.max_output_diff, self.max_top_diff, self.max_input_diff) <= atol
+        )
+
+
+@dataclass
+class Report:
+    atol: float
+    results: list[PromptResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed(self.atol) for r in self.results)
+
+    def table(self) -> str:
+        head = (f"{'#':>2} {'len':>5} {'tokens':>9} {'ties':>4} {'1st diff':>8} "
+                f"{'|dlp| out':>10} {'|dlp| top':>10} {'|dlp| in':>10}  result")
+        lines = [head, "-" * len(head)]
+        for r in self.results:
+            if r.error is not None:
+                lines.append(f"{r.index:>2} {r.prompt_len:>5} {'-':>9} {'-':>4} {'-':>8} "
+                             f"{'-':>10} {'-':>10} {'-':>10}  FAIL ({r.error})")
+                continue
+            first = "-" if r.first_mismatch is None else str(r.first_mismatch)
+            lines.append(
+                f"{r.index:>2} {r.prompt_len:>5} {r.matched:>4}/{r.steps:<4} {r.ties:>4} "
+                f"{first:>8} {r.max_output_diff:>10.2e} {r.max_top_diff:>10.2e} "
+                f"{r.max_input_diff:>10.2e}  {'PASS' if r.passed(self.atol) else 'FAIL'}"
+            )
+        verdict = "PASS" if self.passed else "FAIL"
+        n_ok = sum(r.passed(self.atol) for r in self.results)
+        lines.append(f"{verdict}: {n_ok}/{len(self.results)} prompts within atol={self.atol:g}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "atol": self.atol,
+            "passed": self.passed,
+            "prompts": [dict(vars(r), passed=r.passed(self.atol)) for r in self.results],
+        }
+
+
+# ---------------------------------------------------------------------------------- server
+def post_generate(base_url: str, payload: dict, timeout_s: float = 300.0) -> dict:
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def greedy_payload(input_ids: list[int], max_new_tokens: int, top_k: int) -> dict:
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                            "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": top_k,
+    }
+
+
+# ---------------------------------------------------------------------------------- reference
+def load_tokenizer(model_path: str | os.PathLike[str]):
+    from tokenizers import Tokenizer
+
+    path = Path(model_path) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {model_path}")
+    return Tokenizer.from_file(str(path))
+
+
+class Reference:
+    """dsv4cp's runner on the checkpoint; one fresh request per prompt, teacher-forced."""
+
+    def __init__(self, model_path: str | os.PathLike[str], dtype: str = "float32") -> None:
+        import torch
+
+        from dsv4cp.model import DeepseekV41ForCausalLM
+
+        self.torch = torch
+        self.model = DeepseekV41ForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), device="cpu"
+        )
+
+    def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[object, object]:
+        """(input log-probs [len-1] of prompt[1:], output log-softmax rows [len(forced), V])."""
+        from dsv4cp.runner import PrefillRunner
+
+        torch = self.torch
+        n = len(prompt) + len(forced)
+        runner = PrefillRunner(self.model, num_slots=n + 64, max_requests=2,
+                               max_context=n + 16, page_size=16)
+        out = runner.prefill([("r", prompt)], return_all_logits=True)
+        all_lp = torch.log_softmax(out.all_logits.float(), -1)
+        idx = torch.tensor(prompt[1:], dtype=torch.long)
+        input_lp = all_lp[:-1].gather(1, idx[:, None])[:, 0]
+        rows = [all_lp[-1]]
+        for tok in forced[:-1]:
+            rows.append(torch.log_softmax(runner.decode({"r": tok}).logits[0].float(), -1))
+        return input_lp, torch.stack(rows)
+
+
+def compare_one(index: int, prompt: list[int], server: dict, ref: Reference, atol: float,
+                top_k: int) -> PromptResult:
+    meta = server["meta_info"]
+    out_lp = meta["output_token_logprobs"]
+    tokens = [int(t[1]) for t in out_lp]
+    input_lp, rows = ref.logprobs(prompt, tokens)
+    matched = ties = 0
+    first = None
+    max_out = max_top = 0.0
+    for step, (tok, row) in enumerate(zip(tokens, rows)):
+        best = int(row.argmax())
+        if best == tok:
+            matched += 1
+        elif float(row[best] - row[tok]) <= atol:
+            ties += 1
+        elif first is None:
+            first = step
+        max_out = max(max_out, abs(float(out_lp[step][0]) - float(row[tok])))
+        tops = (meta.get("output_top_logprobs") or [None] * len(tokens))[step] or []
+        for lp, tid, *_ in tops[:top_k]:
+            max_top = max(max_top, abs(float(lp) - float(row[int(tid)])))
+    max_in = 0.0
+    served_in = meta.get("input_token_logprobs") or []
+    served_ids = [int(t[1]) for t in served_in]
+    if served_ids and served_ids != prompt:
+        return PromptResult(index, len(prompt), len(tokens), matched, ties, first, max_out,
+                            max_top, math.inf, error="server saw different prompt ids")
+    for j, t in enumerate(served_in[1:]):
+        if t[0] is not None:
+            max_in = max(max_in, abs(float(t[0]) - float(input_lp[j])))
+    return PromptResult(index, len(prompt), len(tokens), matched, ties, first, max_out, max_top,
+                        max_in)
+
+
+def run_accuracy(
+    base_url: str,
+    model_path: str | os.PathLike[str],
+    *,
+    max_new_tokens: int = 16,
+    top_k: int = 5,
+    atol: float = 1e-3,
+    concurrency: int = 4,
+    dtype: str = "float32",
+    prompts: tuple[str, ...] = PROMPTS,
+    timeout_s: float = 300.0,
+) -> Report:
+    tok = load_tokenizer(model_path)
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    ref = Reference(model_path, dtype)
+
+    def ask(p: list[int]) -> dict | str:
+        try:
+            return post_generate(base_url, greedy_payload(p, max_new_tokens, top_k), timeout_s)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        answers = list(pool.map(ask, ids))
+    report = Report(atol)
+    for i, (p, ans) in enumerate(zip(ids, answers)):
+        if isinstance(ans, str):
+            report.results.append(PromptResult(i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0, ans))
+            continue
+        try:
+            report.results.append(compare_one(i, p, ans, ref, atol, top_k))
+        except (KeyError, IndexError, TypeError) as e:
+            report.results.append(PromptResult(i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0,
+                                               f"malformed server answer: {e!r}"))
+    return report

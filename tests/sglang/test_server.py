@@ -1,0 +1,246 @@
+"""A real `python -m sglang.launch_server` on CPU serving an exported tiny dsv4cp checkpoint.
+
+Checks greedy output against dsv4cp's own runner (lengths across the chunked-prefill size, a
+radix-cache hit), 32 concurrent requests, malformed requests (4xx, server keeps serving),
+`dsv4cp accuracy`, and clean shutdown on SIGTERM and SIGINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed"),
+]
+
+CHUNK = 64  # --chunked-prefill-size: the 150-token prompt takes three chunks
+STARTUP_S = 300.0
+SHUTDOWN_S = 30.0
+NEW_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: bytes | dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def _get_status(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+class Server:
+    def __init__(self, model_path: Path, log_path: Path, *, warmup: bool = True) -> None:
+        from importlib.metadata import entry_points
+
+        plugins = entry_points(group="sglang.srt.plugins")
+        if not any(ep.value.startswith("dsv4cp.") for ep in plugins):
+            pytest.fail("the dsv4cp sglang.srt.plugins entry point is not installed "
+                        "(pip install -e . in this environment)")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--context-length", "1024", "--max-total-tokens", "4096",
+            "--chunked-prefill-size", str(CHUNK), "--log-level", "info",
+            # Page size 1: radix prefixes of any length, here an odd one (91 tokens), are shared.
+            "--page-size", "1",
+        ]
+        if not warmup:
+            cmd.append("--skip-server-warmup")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def log_tail(self, n: int = 60) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def wait_healthy(self, deadline_s: float = STARTUP_S) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                if _get_status(self.url + "/health") == 200:
+                    return
+            time.sleep(1.0)
+        self.kill()
+        pytest.fail(f"server not healthy after {deadline_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, sig: int, deadline_s: float = SHUTDOWN_S) -> tuple[float, list[int]]:
+        """Send `sig`; return (seconds to exit, pids of descendants still alive)."""
+        import psutil
+
+        kids = psutil.Process(self.proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"server ignored signal {sig} for {deadline_s:.0f}s:\n{self.log_tail()}")
+        took = time.monotonic() - t0
+        _, alive = psutil.wait_procs(kids, timeout=max(1.0, deadline_s - took))
+        return took, [p.pid for p in alive]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dsv4cp.export_tiny import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(checkpoint, tmp_path_factory.mktemp("logs") / "server.log")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path):
+    from dsv4cp.model import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(checkpoint)
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        from dsv4cp.runner import PrefillRunner
+
+        runner = PrefillRunner(model, num_slots=16384, max_requests=64, max_context=1024)
+        return runner.generate(prompts, n)
+
+    return generate
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def _greedy(server: Server, prompt: list[int] | str, n: int) -> dict:
+    body = {"sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+    body["text" if isinstance(prompt, str) else "input_ids"] = prompt
+    status, out = _post(server.url + "/generate", body)
+    assert status == 200, out
+    return out
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_greedy_matches_runner(server: Server, checkpoint: Path, reference) -> None:
+    from dsv4cp.accuracy import load_tokenizer
+
+    text = "Hello from dsv4cp"
+    long = _ids(150, 1)  # > CHUNK: chunked prefill
+    prompts: list[list[int] | str] = [text, _ids(9, 2), _ids(40, 3), long, long[:91] + _ids(20, 4)]
+    ids = [load_tokenizer(checkpoint).encode(text, add_special_tokens=False).ids] + prompts[1:]
+    expect = reference(ids, NEW_TOKENS)
+    outs = [_greedy(server, p, NEW_TOKENS) for p in prompts]  # in order: the last hits the cache
+    for i, (out, want) in enumerate(zip(outs, expect)):
+        assert out["output_ids"] == want, f"prompt {i} (len {len(ids[i])})"
+        assert out["meta_info"]["prompt_tokens"] == len(ids[i])
+    assert outs[-1]["meta_info"]["cached_tokens"] >= CHUNK, "no radix-cache hit on the prefix"
+
+
+def test_concurrent_requests(server: Server, reference) -> None:
+    prompts = [_ids(5 + (7 * i) % 76, 100 + i) for i in range(32)]
+    expect = reference(prompts, 4)
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        outs = list(pool.map(lambda p: _greedy(server, p, 4), prompts))
+    assert [o["output_ids"] for o in outs] == expect
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json",
+    {"input_ids": "abc"},
+    {"sampling_params": {"max_new_tokens": 2}},
+    {"input_ids": [1, 2, 99999], "sampling_params": {"max_new_tokens": 2}},
+    {"input_ids": [-1, 5], "sampling_params": {"max_new_tokens": 2}},
+    {"text": "", "sampling_params": {"max_new_tokens": 2}},
+    {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
+    {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}},
+], ids=["bad-json", "ids-type", "no-prompt", "id-too-large", "id-negative", "empty-text",
+        "negative-max-new", "over-context"])
+def test_malformed_request_is_4xx(server: Server, body: bytes | dict) -> None:
+    status, out = _post(server.url + "/generate", body)
+    assert 400 <= status < 500, (status, out)
+    assert _get_status(server.url + "/health") == 200, server.log_tail()
+    assert len(_greedy(server, [5, 6, 7], 2)["output_ids"]) == 2
+
+
+def test_accuracy_cli(server: Server, checkpoint: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "dsv4cp", "accuracy", "--base-url", server.url,
+         "--model-path", str(checkpoint), "--max-new-tokens", "8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "PASS" in res.stdout
+
+
+def test_shutdown_sigterm(server: Server) -> None:
+    took, alive = server.stop(signal.SIGTERM)
+    assert server.proc.returncode is not None
+    assert not alive, f"children left after SIGTERM: {alive}"
+    assert took < SHUTDOWN_S
+
+
+def test_shutdown_sigint(checkpoint: Path, tmp_path: Path) -> None:
+    srv = Server(checkpoint, tmp_path / "server.log", warmup=False)
+    try:
+        srv.wait_healthy()
+        assert len(_greedy(srv, [1, 2, 3], 2)["output_ids"]) == 2
+        took, alive = srv.stop(signal.SIGINT)
+        assert not alive, f"children left after SIGINT: {alive}"
+        assert took < SHUTDOWN_S
+    finally:
+        srv.kill()
