@@ -1,10 +1,11 @@
 """When does the multistream prepare pay? A per-batch decision from measured thresholds.
 
-Eager multistream costs host time per stream switch and event (it lost on the H200 at every
-token count measured); inside a CUDA graph the forks and joins are free graph edges and the
-overlap pays while the side chains leave SMs idle. The default thresholds come from
-`benchmarks/prepare_overlap.py` (docs/performance.md); `DSV4CP_MULTISTREAM=on|off|auto` and
-`DSV4CP_MULTISTREAM_MAX_TOKENS=N` override them, as do the constructor arguments.
+Eager multistream costs host time per stream switch and event: on the H200 it lost up to 4096
+local tokens and won (2–7%) at 8192, where the GPU work hides the launches. Inside a CUDA graph
+the forks and joins are free graph edges and the overlap paid at every size measured (512–8192)
+for layers with a compressor or an indexer; layers that only store SWA keys gain nothing. The
+default thresholds come from `benchmarks/prepare_overlap.py` (docs/performance.md). With mode
+"auto", `DSV4CP_MULTISTREAM=on|off|auto` and `DSV4CP_MULTISTREAM_MAX_TOKENS=N` override them.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ log = logging.getLogger("dsv4cp.policy")
 
 # Largest local token count at which graph-captured multistream beat serial on the H200.
 DEFAULT_MAX_TOKENS_GRAPH = 8192
+# Smallest local token count at which eager multistream beat eager serial on the H200.
+DEFAULT_MIN_TOKENS_EAGER = 8192
 
 
 @dataclass
 class MultistreamPolicy:
     mode: str = "auto"  # "auto" | "on" | "off"
     max_tokens_graph: int = DEFAULT_MAX_TOKENS_GRAPH
-    eager: bool = False  # allow multistream outside graphs in auto mode
+    min_tokens_eager: int = DEFAULT_MIN_TOKENS_EAGER
     _logged: set[tuple[int, bool]] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,7 +42,7 @@ class MultistreamPolicy:
         env_mode = os.environ.get("DSV4CP_MULTISTREAM")
         env_max = os.environ.get("DSV4CP_MULTISTREAM_MAX_TOKENS")
         return cls(
-            mode=mode or env_mode or "auto",
+            mode=env_mode if (mode in (None, "auto") and env_mode) else (mode or "auto"),
             max_tokens_graph=(
                 max_tokens
                 if max_tokens is not None
@@ -62,8 +65,13 @@ class MultistreamPolicy:
             use, why = False, "CPU has no streams"
         elif self.mode != "auto":
             use, why = self.mode == "on", f"forced {self.mode}"
-        elif not graphs and not self.eager:
-            use, why = False, "eager launch overhead outweighs the overlap"
+        elif not graphs and local_tokens < self.min_tokens_eager:
+            use, why = False, (
+                f"eager, {local_tokens} local tokens < {self.min_tokens_eager}: launch overhead "
+                "outweighs the overlap"
+            )
+        elif not graphs:
+            use, why = True, f"eager, {local_tokens} local tokens >= {self.min_tokens_eager}"
         elif local_tokens > self.max_tokens_graph:
             use, why = False, f"{local_tokens} local tokens > {self.max_tokens_graph}"
         else:

@@ -1,0 +1,53 @@
+"""MultistreamPolicy: the per-batch decision, per-layer rule, env overrides and logging."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.policy import MultistreamPolicy
+
+
+def test_auto_follows_the_measured_thresholds() -> None:
+    p = MultistreamPolicy()
+    assert not p.decide(2048, graphs=True, cuda=False)  # CPU: never
+    assert p.decide(512, graphs=True, cuda=True) and p.decide(8192, graphs=True, cuda=True)
+    assert not p.decide(16384, graphs=True, cuda=True)
+    assert not p.decide(4096, graphs=False, cuda=True)  # eager: launches cost more
+    assert p.decide(8192, graphs=False, cuda=True)
+
+
+def test_forced_modes_and_bad_mode() -> None:
+    assert MultistreamPolicy(mode="on").decide(10**6, graphs=False, cuda=True)
+    assert not MultistreamPolicy(mode="off").decide(512, graphs=True, cuda=True)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        MultistreamPolicy(mode="sometimes")
+
+
+def test_only_layers_with_side_work_fork_in_auto_mode() -> None:
+    cfg = DeepseekV41Config.tiny()
+    auto, on = MultistreamPolicy(), MultistreamPolicy(mode="on")
+    pays = [auto.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers)]
+    assert pays == [False, True, False, True, False, True]
+    assert all(on.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers))
+
+
+def test_env_overrides_auto_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSV4CP_MULTISTREAM", "off")
+    monkeypatch.setenv("DSV4CP_MULTISTREAM_MAX_TOKENS", "1024")
+    assert MultistreamPolicy.from_env("auto").mode == "off"
+    assert MultistreamPolicy.from_env("on").mode == "on"
+    monkeypatch.setenv("DSV4CP_MULTISTREAM", "auto")
+    p = MultistreamPolicy.from_env()
+    assert p.max_tokens_graph == 1024 and not p.decide(2048, graphs=True, cuda=True)
+
+
+def test_decision_logged_once_per_shape(caplog: pytest.LogCaptureFixture) -> None:
+    p = MultistreamPolicy()
+    with caplog.at_level(logging.INFO, logger="dsv4cp.policy"):
+        for _ in range(3):
+            p.decide(512, graphs=True, cuda=True)
+        p.decide(1024, graphs=True, cuda=True)
+    assert len(caplog.records) == 2
