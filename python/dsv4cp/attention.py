@@ -119,6 +119,6 @@ class DeepseekV41Attention(nn.Module):
         local = ctx.local
         idx = self.sparse_indices(ctx)
         o = K.sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
-        o = K.apply_rope(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
+        o = K.rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
         # Padding rows are zeroed before any reduction (invariant 5).
         return o * local.valid[:, None, None].to(o.dtype)

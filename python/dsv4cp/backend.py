@@ -15,3 +15,11 @@ from dsv4cp.kernels.dispatch import (  # noqa: F401
     topk_indices,
 )
 from dsv4cp.ops import apply_rope, candidate_blocks, topk_among_blocks  # noqa: F401
+
+
+def rope_tail_(x, positions, rope_dim, theta, yarn=None, inverse=False):  # noqa: ANN001, ANN201
+    """In-place `apply_rope`: rotates only the last `rope_dim` dims of x, leaving the rest
+    untouched (1/8 of the traffic of a full functional copy at D = 512). Same numerics."""
+    tail = x[..., x.shape[-1] - rope_dim :]
+    tail.copy_(apply_rope(tail, positions, rope_dim, theta, yarn, inverse=inverse))
+    return x

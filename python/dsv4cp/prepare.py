@@ -59,7 +59,7 @@ def q_norm(attn: DeepseekV41Attention, st: PrepareState) -> None:
 def q_chain(attn: DeepseekV41Attention, st: PrepareState) -> None:
     local = st.ctx.local
     q = F.linear(st["q_lora"], attn.wq_b).view(-1, attn.n_heads, attn.head_dim)
-    st["q"] = K.apply_rope(q, local.positions, attn.rope_dim, attn.theta, attn.yarn)
+    st["q"] = K.rope_tail_(q, local.positions, attn.rope_dim, attn.theta, attn.yarn)
 
 
 def indexer_qw(attn: DeepseekV41Attention, st: PrepareState) -> None:
