@@ -8,6 +8,7 @@ need not match).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -176,7 +177,10 @@ def _rank_main(
 ) -> tuple[dict[str, Tensor], list[tuple[str, float, int]]] | None:
     if per_process_gpu:
         torch.cuda.set_device(group.rank % torch.cuda.device_count())
-    timer = StageTimer(sc.device) if timed else None
+    if sc.graphs and group.rank == 0 and not logging.getLogger().handlers:
+        # Show the per-bucket capture time and memory (GraphRunner logs them at INFO).
+        logging.basicConfig(level=logging.INFO, format="      %(name)s: %(message)s")
+    timer = StageTimer(sc.device) if timed and not sc.graphs else None
     out = run_scenario(sc, group, timer=timer)
     if group.rank != 0:
         return None

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.ops import rms_norm
+from dsv4cp.ops import check_quant_mode, rms_norm
 from dsv4cp.profiling import nvtx_range
 from dsv4cp.timing import maybe_stage
 
@@ -70,8 +70,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         seed: int | None = 0,
+        quant: str = "none",
     ) -> None:
         super().__init__()
+        self.quant = check_quant_mode(quant)  # only "none" exists yet; the others raise
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         d, v = config.hidden_size, config.vocab_size
         self.embed = nn.Parameter(
