@@ -65,6 +65,17 @@ class BreakableGraph:
         if self.pool is None:
             self.pool = self.segments[-1].pool()
 
+    def _abort(self) -> None:
+        """End a capture that raised, so the process (its RNG, its streams) stays usable."""
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and torch.cuda.is_current_stream_capturing():
+            try:
+                seg.capture_end()
+            except RuntimeError:
+                pass
+        self.segments.clear()
+        self.breaks.clear()
+
     def capture(self, fn: Callable[[], Any]) -> Any:
         if in_capture():
             raise GraphBreakError("nested BreakableGraph capture")
@@ -76,6 +87,9 @@ class BreakableGraph:
                 self._begin()
                 self.output = fn()
                 self._end()
+            except BaseException:
+                self._abort()
+                raise
             finally:
                 _state.graph = None
         torch.cuda.current_stream().wait_stream(self.stream)

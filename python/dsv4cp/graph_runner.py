@@ -149,8 +149,12 @@ class GraphRunner:
             t0 = time.perf_counter()
             body(static)  # warm-up: allocator, cuBLAS workspaces, lazy state (all rows padding)
             torch.cuda.synchronize()
+            # No rank may synchronise the device while another (a FakeCPGroup thread sharing the
+            # GPU) is capturing: barriers fence the capture on both sides.
+            barrier()
             graph = BreakableGraph(pool=pool)
             graph.capture(lambda static=static: body(static))
+            barrier()
             torch.cuda.synchronize()
             pool = graph.pool
             rep = BucketReport(bucket, time.perf_counter() - t0,
