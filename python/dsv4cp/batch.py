@@ -10,7 +10,7 @@ token's write slot. Slot 0 is the dummy slot: padding rows read and write it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -216,7 +216,3 @@ def _workspace(batch: PrefillBatch, req_to_token: Tensor, ratio: int) -> Compres
         request_offset=torch.tensor(offsets, dtype=torch.long, device=device),
         max_entries=max(counts),
     )
-
-
-def with_valid(tokens: TokenMeta, valid: Tensor) -> TokenMeta:
-    return replace(tokens, valid=valid)

@@ -20,6 +20,7 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.ops import check_quant_mode, rms_norm
 from dsv4cp.profiling import nvtx_range
+from dsv4cp.schedule import StreamPool, lanes_of
 from dsv4cp.timing import maybe_stage
 
 WEIGHTS_FILE = "model.safetensors"
@@ -165,6 +166,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         model = cls(config, dtype=dtype, device=device, seed=None)
         model.load_state(load_file(os.path.join(path, WEIGHTS_FILE)))
         return model
+
+    def stream_pool(self) -> StreamPool:
+        """One side stream per lane of any layer's schedule (create once, before capture)."""
+        return StreamPool(lanes_of([layer.attn.schedule for layer in self.layers]), self.device)
 
     # ------------------------------------------------------------------ forward
     def embed_tokens(self, input_ids: Tensor) -> Tensor:

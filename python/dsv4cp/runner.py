@@ -21,7 +21,7 @@ from dsv4cp.cp.layout import CPLayout
 from dsv4cp.graph_runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.schedule import StreamPool, lanes_of
+from dsv4cp.schedule import StreamPool
 from dsv4cp.timing import StageTimer
 
 Requests = Mapping[object, Sequence[int]] | Sequence[tuple[object, Sequence[int]]]
@@ -106,9 +106,7 @@ class PrefillRunner:
         if self.policy.mode == "on" and model.device.type != "cuda":
             raise ValueError("multistream needs a CUDA device (CPU runs the serial schedule)")
         if self.policy.mode != "off" and model.device.type == "cuda":
-            self.streams = StreamPool(
-                lanes_of([layer.attn.schedule for layer in model.layers]), model.device
-            )
+            self.streams = model.stream_pool()
         self.ratios = sorted({r for r in model.config.layer_ratios if r})
         self.lane_hook = None  # tests: callable(lane) at the start of every lane (multistream)
         self.graph_runner: GraphRunner | None = None

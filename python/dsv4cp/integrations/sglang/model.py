@@ -174,11 +174,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                         cache.num_slots, *r2t.shape)
             cuda = cache.device.type == "cuda"
             if self.policy.mode != "off" and cuda and self._streams is None:
-                from dsv4cp.schedule import StreamPool, lanes_of
-
-                m = self.dsv4cp
-                lanes = lanes_of([layer.attn.schedule for layer in m.layers])
-                self._streams = StreamPool(lanes, m.device)
+                self._streams = self.dsv4cp.stream_pool()
         return cache, r2t
 
     # ------------------------------------------------------------------ weights
