@@ -1,7 +1,7 @@
 """CP=N equals CP=1: logits, per-layer hidden rows, every cache and the top-k sets (fp32, 1e-5).
 
-Through FakeCPGroup (all ranks as threads of this process) for the whole matrix, and through real
-gloo processes for a mixed batch at CP 2, 3 and 4.
+The whole matrix runs through FakeCPGroup (all ranks as threads of this process) and through real
+gloo processes (one per rank).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_cp1_through_run_cp_equals_direct() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_gloo_processes_equal_cp1(cp: int) -> None:
-    sc = MIXED[1]
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[_id(s) for s in SCENARIOS])
+def test_gloo_processes_equal_cp1(sc: Scenario, cp: int) -> None:
     got, _ = run_cp_scenario(sc, cp, "gloo", timeout_s=60)
     _assert_equal(sc, got)
 
