@@ -95,3 +95,13 @@ def test_padded_bucket_forward_equals_eager(cp: int) -> None:
     for name, a, b in caches:
         # Padding rows write only to the dummy slot 0.
         assert float((a[1:] - b[1:]).abs().max()) <= 1e-5 * max(float(a.abs().max()), 1e-30), name
+
+
+def test_graphs_need_cuda_and_accept_true() -> None:
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=0)
+    for graphs in (True, GraphConfig(buckets=(16,))):
+        with pytest.raises(ValueError, match="graphs need a CUDA device"):
+            PrefillRunner(model, num_slots=256, graphs=graphs)
+    assert PrefillRunner(model, num_slots=256, graphs=False).graph_runner is None
+    with pytest.raises(ValueError, match="buckets"):
+        GraphConfig(buckets=())

@@ -83,7 +83,7 @@ class PrefillRunner:
         max_requests: int = 64,
         max_context: int = 4096,
         page_size: int = 16,
-        graphs: GraphConfig | None = None,
+        graphs: bool | GraphConfig | None = None,
     ) -> None:
         self.model = model
         self.cache = cache or KVCache(
@@ -110,7 +110,9 @@ class PrefillRunner:
         self.ratios = sorted({r for r in model.config.layer_ratios if r})
         self.lane_hook = None  # tests: callable(lane) at the start of every lane (multistream)
         self.graph_runner: GraphRunner | None = None
-        if graphs is not None:
+        if graphs is True:
+            graphs = GraphConfig()
+        if graphs:  # None / False: eager only
             self.capture_graphs(graphs)
 
     # ------------------------------------------------------------------ prefill
