@@ -60,6 +60,11 @@ class PrefillBatch:
         return out
 
 
+# The values a padding row carries (position 0, dummy slot 0, a request "ending" at 1); `valid`
+# is False. Shared by CP padding (`TokenMeta.take`) and graph-bucket padding (`StaticBatch`).
+PAD_ROW = {"positions": 0, "req_row": 0, "start": 0, "end": 1, "slots": 0, "batch_index": 0}
+
+
 @dataclass
 class TokenMeta:
     """Per-token metadata rows (global token order, or one CP rank's local rows)."""
@@ -82,16 +87,12 @@ class TokenMeta:
         pad = index < 0
         safe = index.clamp(min=0)
 
-        def pick(x: Tensor, fill: int) -> Tensor:
-            return torch.where(pad, torch.full_like(x[safe], fill), x[safe])
+        def pick(name: str) -> Tensor:
+            x = getattr(self, name)[safe]
+            return torch.where(pad, torch.full_like(x, PAD_ROW[name]), x)
 
         return TokenMeta(
-            positions=pick(self.positions, 0),
-            req_row=pick(self.req_row, 0),
-            start=pick(self.start, 0),
-            end=pick(self.end, 1),
-            slots=pick(self.slots, 0),
-            batch_index=pick(self.batch_index, 0),
+            **{name: pick(name) for name in PAD_ROW},
             valid=self.valid[safe] & ~pad,
             req_to_token=self.req_to_token,
         )

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dsv4cp.batch import BatchMetadata, CompressedWorkspace, TokenMeta
+from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
 from dsv4cp.bcg import BreakableGraph
 from dsv4cp.cp.comm import CPGroup
 from dsv4cp.cp.layout import CPLayout
@@ -63,10 +63,10 @@ class StaticBatch:
     ) -> None:
         dev = req_to_token.device
         self.bucket = bucket
-        z = lambda: torch.zeros(bucket, dtype=torch.long, device=dev)  # noqa: E731
-        self.ids = z()
+        self.ids = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.tokens = TokenMeta(
-            positions=z(), req_row=z(), start=z(), end=z() + 1, slots=z(), batch_index=z(),
+            **{n: torch.full((bucket,), v, dtype=torch.long, device=dev)
+               for n, v in PAD_ROW.items()},
             valid=torch.zeros(bucket, dtype=torch.bool, device=dev), req_to_token=req_to_token,
         )
         self.workspaces = {
@@ -100,8 +100,7 @@ class StaticBatch:
     def refresh(self, meta: BatchMetadata, input_ids: Tensor) -> None:
         n = meta.tokens.num_rows
         live, st = meta.tokens, self.tokens
-        for name, pad in (("positions", 0), ("req_row", 0), ("start", 0), ("end", 1),
-                          ("slots", 0), ("batch_index", 0)):
+        for name, pad in PAD_ROW.items():
             dst = getattr(st, name)
             dst[:n].copy_(getattr(live, name))
             dst[n:].fill_(pad)
