@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from dsv4cp.benchutil import Table, device_info, time_cuda, write_json
+from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, write_json
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.graph_runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
@@ -57,15 +57,7 @@ def bench_config() -> DeepseekV41Config:
 
 def build_model(cfg: DeepseekV41Config) -> DeepseekV41ForCausalLM:
     model = DeepseekV41ForCausalLM(cfg, dtype=torch.bfloat16, device="cuda", seed=None)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, t in model.checkpoint_weights().items():
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            elif name in ("embed.weight",) or name.endswith("attn_sink"):
-                t.normal_(generator=g)
-            else:
-                t.copy_(torch.randn(t.shape, generator=g, device="cuda") / t.shape[-1] ** 0.5)
+    fill_random_(model.checkpoint_weights())
     return model
 
 

@@ -19,7 +19,7 @@ import torch
 
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
-from dsv4cp.benchutil import Table, device_info, time_cuda, time_graph, write_json
+from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, time_graph, write_json
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
@@ -33,18 +33,10 @@ LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source
 
 
 def build_layers(cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    layers = {}
-    for i in ids:
-        attn = DeepseekV41Attention(cfg, i, dtype=dtype, device="cuda")
-        for name, t in attn.checkpoint_weights().items():
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            elif name == "attn_sink":
-                t.normal_(generator=g)
-            else:
-                t.copy_(torch.randn(t.shape, generator=g, device="cuda") / t.shape[-1] ** 0.5)
-        layers[i] = attn
+    layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device="cuda") for i in ids}
+    # One generator across the layers, in layer order (as the benchmark always drew them).
+    fill_random_({f"{i}.{n}": t for i, a in layers.items()
+                  for n, t in a.checkpoint_weights().items()})
     return layers
 
 

@@ -455,3 +455,20 @@ __all__ = [
     "time_graph",
     "write_json",
 ]
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@torch.no_grad()
+def fill_random_(weights: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Random benchmark weights on the GPU (the model's seeded CPU init is slow at Flash dims):
+    norms 1, embedding and sinks N(0, 1), matrices N(0, 1/fan_in), from one CUDA generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, t in weights.items():
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name == "embed.weight" or name.endswith("attn_sink"):
+            t.normal_(generator=g)
+        else:
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda") / t.shape[-1] ** 0.5)
