@@ -23,7 +23,7 @@ from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, time_g
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.comm import SingleCPGroup
+from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.policy import MultistreamPolicy
 from dsv4cp.profiling import capture_trace, overlap_fraction, plot_timeline

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.graph_runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.runner import PrefillRunner

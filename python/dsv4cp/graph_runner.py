@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
 from dsv4cp.bcg import BreakableGraph
-from dsv4cp.cp.comm import CPGroup
+from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
 
 log = logging.getLogger("dsv4cp.graphs")

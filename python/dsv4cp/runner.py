@@ -16,7 +16,7 @@ from torch import Tensor
 from dsv4cp.batch import BatchMetadata, PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.cache import KVCache, PagedAllocator, Reservation
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.graph_runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
 from dsv4cp.model import DeepseekV41ForCausalLM

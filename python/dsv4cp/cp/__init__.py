@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from dsv4cp.cp.comm import (
+from dsv4cp.cp.dist import TorchDistCPGroup, new_cp_group
+from dsv4cp.cp.fake import FakeCPGroup, FakeCPWorld, run_ranks
+from dsv4cp.cp.group import (
     CPCommError,
     CPGroup,
     CPRankFailedError,
     CPTimeoutError,
-    FakeCPGroup,
-    FakeCPWorld,
     SingleCPGroup,
-    TorchDistCPGroup,
     gather_global,
-    new_cp_group,
-    run_ranks,
 )
 from dsv4cp.cp.guard import CPOrderError, debug_cp_enabled
 from dsv4cp.cp.launch import CPLaunchError, run_cp, spawn_ranks

@@ -4,7 +4,8 @@
 rank. `all_gather` deposits the tensor, meets the other ranks at a rendezvous (with a timeout:
 a rank that never arrives or raised fails the others with an error naming the tag), then
 concatenates rank-major. On CUDA the producer records an event that the consumer's stream waits
-on. Not capturable in a CUDA graph: under graphs its gathers are eager breaks (`bcg`).
+on. Not capturable in a CUDA graph: under graphs its gathers are eager breaks
+(`graphs.runner.EagerBreakCPGroup`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dsv4cp.cp.comm import (
+from dsv4cp.cp.group import (
     CPCommError,
     CPRankFailedError,
     CPTimeoutError,
-    _check_input,
-    _check_timeout,
+    check_cp_size,
+    check_input,
+    check_timeout,
 )
 from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order
 
 __all__ = ["FakeCPGroup", "FakeCPWorld", "run_ranks"]
+
 
 class _Rendezvous:
     """A reusable barrier whose abort never breaks a generation that already completed
@@ -83,10 +86,8 @@ class FakeCPWorld:
 
     def __init__(self, cp_size: int, *, timeout_s: float = 60.0,
                  check_order: bool | None = True) -> None:
-        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"FakeCPWorld: cp_size must be a positive int, got {cp_size!r}")
-        self.cp_size = cp_size
-        self.timeout_s = _check_timeout(timeout_s)
+        self.cp_size = check_cp_size(cp_size, who="FakeCPWorld")
+        self.timeout_s = check_timeout(timeout_s)
         self.check_order = resolve_check_order(check_order)
         self.groups: tuple[FakeCPGroup, ...] = tuple(FakeCPGroup(self, r) for r in range(cp_size))
         self._lock = threading.Lock()
@@ -145,7 +146,7 @@ class FakeCPGroup:
         return f"FakeCPGroup(rank={self._rank}, cp_size={self.cp_size})"
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
-        x = _check_input(x, tag)
+        x = check_input(x, tag)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"FakeCPGroup cannot run inside CUDA graph capture ({tag!r})")
         rec = self.guard.next("all_gather", tag, x)

@@ -1,5 +1,5 @@
 """Order guard: every CP rank must issue the same collectives, in the same order, with the same
-(tag, shape, dtype) (DESIGN.md invariant 1, cp-multistream-bcg.md §7 hazard 4).
+(tag, shape, dtype) (docs/invariants.md, invariant 1).
 
 Each collective gets a `CollectiveRecord` (sequence number, kind, tag, shape, dtype). Backends
 compare the records of all ranks before the real collective: `TorchDistCPGroup` all-gathers a
@@ -246,5 +246,6 @@ class OrderGuard:
                          "CPLayout.shard) and the same trailing dims.")
         else:
             lines.append("Every rank must issue the same collectives in the same order from "
-                         "one stream, with no rank-dependent skips (DESIGN.md invariant 1).")
+                         "one stream, with no rank-dependent skips (docs/invariants.md, "
+                         "invariant 1).")
         raise CPOrderError("\n".join(lines), seq=mine.seq, records=records, fields=fields)

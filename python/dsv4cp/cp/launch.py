@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsv4cp.cp.comm import CPCommError, FakeCPWorld, SingleCPGroup, TorchDistCPGroup, run_ranks
+from dsv4cp.cp.dist import TorchDistCPGroup
+from dsv4cp.cp.fake import FakeCPWorld, run_ranks
+from dsv4cp.cp.group import CPCommError, SingleCPGroup, check_cp_size
 from dsv4cp.cp.guard import resolve_check_order
 
 __all__ = ["CPLaunchError", "run_cp", "spawn_ranks"]
@@ -138,8 +140,7 @@ def spawn_ranks(
     each child before the process group starts; `num_threads` (default cpu_count // cp_size)
     is each child's torch thread count. NCCL needs one visible GPU per rank.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"spawn_ranks: cp_size must be a positive int, got {cp_size!r}")
+    check_cp_size(cp_size, who="spawn_ranks")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"spawn_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < cp_size:
@@ -290,8 +291,7 @@ def run_cp(
     processes (`spawn_ranks`; fn must then be picklable)."""
     if backend not in ("fake", "gloo", "nccl"):
         raise ValueError(f"run_cp: backend must be 'fake', 'gloo' or 'nccl', got {backend!r}")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"run_cp: cp_size must be a positive int, got {cp_size!r}")
+    check_cp_size(cp_size, who="run_cp")
     if cp_size == 1:
         return [fn(SingleCPGroup(), *args)]
     if backend == "fake":

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dsv4cp.batch import build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.cp.comm import CPGroup, SingleCPGroup
+from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.integrations.sglang.forward_batch import (
     SGLangBatch,
     from_forward_batch,
@@ -148,7 +148,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self._cp is None:
             from sglang.srt.distributed.parallel_state import get_tp_group
 
-            from dsv4cp.cp.comm import TorchDistCPGroup
+            from dsv4cp.cp.dist import TorchDistCPGroup
 
             self._cp = TorchDistCPGroup(get_tp_group().device_group)
         # Decode and tiny extends run replicated on every rank (no collective), like SGLang.

@@ -1,129 +1,28 @@
-"""CP collectives: the `CPGroup` protocol and its backends.
-
-`all_gather(x [P, ...], tag=...)` returns [cp·P, ...] rank-major and is issued on the CURRENT
-stream (never pick a side stream here: DESIGN.md invariant 1). Every rank must pass the same
-shape; the caller pads with `CPLayout.shard`. `tag` names the tensor ("layer3/kv_raw") for the
-order guard and for error messages.
-
-Backends:
-- `TorchDistCPGroup`: a torch.distributed group (NCCL on GPU, gloo on CPU).
-- `FakeCPWorld` / `FakeCPGroup` (`cp/fake.py`): every rank simulated by a thread of one process.
-- `SingleCPGroup`: cp_size 1.
-"""
+"""`TorchDistCPGroup`: a torch.distributed process group as a `CPGroup` (NCCL on GPU, gloo on
+CPU), and `new_cp_group`, which carves this process's CP group out of an initialized world."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dsv4cp.cp.group import (
+    CPCommError,
+    CPGroup,
+    CPTimeoutError,
+    SingleCPGroup,
+    check_cp_size,
+    check_input,
+    check_timeout,
+)
 from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order
 
-__all__ = [
-    "CPCommError",
-    "CPGroup",
-    "CPRankFailedError",
-    "CPTimeoutError",
-    "FakeCPGroup",
-    "FakeCPWorld",
-    "SingleCPGroup",
-    "TorchDistCPGroup",
-    "gather_global",
-    "new_cp_group",
-    "run_ranks",
-]
+__all__ = ["TorchDistCPGroup", "new_cp_group"]
 
-
-class CPCommError(RuntimeError):
-    """A CP collective failed: bad input, a dead or failed peer, a backend error."""
-
-
-class CPTimeoutError(CPCommError, TimeoutError):
-    """A CP collective did not complete within the group's timeout."""
-
-
-class CPRankFailedError(CPCommError):
-    """A collective was abandoned because another rank failed or finished early (fake world)."""
-
-
-@runtime_checkable
-class CPGroup(Protocol):
-    """What the model sees of context parallelism.
-
-    Backends may set `capturable = True` when their all_gather can be captured into a CUDA
-    graph (NCCL, or no collective at all); others become eager breaks under graphs.
-    """
-
-    @property
-    def cp_size(self) -> int: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
-        """x [P, ...] (same shape on every rank) → [cp·P, ...] rank-major, current stream."""
-        ...
-
-    def barrier(self) -> None: ...
-
-
-def _check_input(x: Tensor, tag: str) -> Tensor:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(
-            f"all_gather needs a non-empty str tag (e.g. 'layer3/kv_raw'), got {tag!r}"
-        )
-    if not isinstance(x, Tensor):
-        raise TypeError(f"all_gather {tag!r}: expected a Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
-        raise ValueError(f"all_gather {tag!r}: x must have a row dim, got a 0-d tensor")
-    return x.contiguous()
-
-
-def _check_timeout(timeout_s: float) -> float:
-    t = float(timeout_s)
-    if not t > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    return t
-
-
-def gather_global(group: CPGroup, layout: Any, x: Tensor, *, tag: str) -> Tensor:
-    """The gather + rerange primitive: local rows x [P, ...] (or [logical, ...]: padded here)
-    → global rows [T, ...] in token order. `layout` is a `CPLayout`."""
-    p = layout.padded_rows
-    if x.dim() == 0 or x.shape[0] > p:
-        raise ValueError(f"gather_global {tag!r}: expected at most P={p} rows, got "
-                         f"{tuple(x.shape)}")
-    if x.shape[0] < p:
-        pad = x.new_zeros((p - x.shape[0], *x.shape[1:]))
-        x = torch.cat([x, pad])
-    if group.cp_size == 1:
-        return x[: layout.num_tokens]
-    return layout.unshard(group.all_gather(x, tag=tag))
-
-
-# --------------------------------------------------------------------------------------------
-class SingleCPGroup:
-    """cp_size 1: all_gather returns its input (no copy)."""
-
-    cp_size = 1
-    rank = 0
-    capturable = True  # no collective at all
-
-    def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
-        return _check_input(x, tag)
-
-    def barrier(self) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return "SingleCPGroup()"
-
-
-# --------------------------------------------------------------------------------------------
 _RAW_BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # collectives lack fp8: send bytes
 
 
@@ -163,7 +62,7 @@ class TorchDistCPGroup:
         self._cp_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group)).lower()
         self.capturable = self.backend == "nccl"  # NCCL collectives can live in a CUDA graph
-        self.timeout_s = _check_timeout(timeout_s)
+        self.timeout_s = check_timeout(timeout_s)
         self.check_order = resolve_check_order(check_order)
         shapes = (self.backend != "nccl") if check_shapes is None else bool(check_shapes)
         self.check_shapes = self.check_order or shapes
@@ -187,7 +86,7 @@ class TorchDistCPGroup:
                 f"backend={self.backend!r}, check_order={self.check_order})")
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
-        x = _check_input(x, tag)
+        x = check_input(x, tag)
         rec = self.guard.next("all_gather", tag, x)
         if self._cp_size == 1:
             return x
@@ -251,8 +150,6 @@ class TorchDistCPGroup:
         self.guard.verify(records, check_tags=self.check_order)
 
 
-# --------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------
 def new_cp_group(
     cp_size: int,
     backend: str = "auto",
@@ -269,8 +166,7 @@ def new_cp_group(
     world's backend; "gloo"/"nccl" create the group with that backend. For "fake" (threads in
     one process) use `FakeCPWorld` + `run_ranks`, or `dsv4cp.cp.launch.run_cp`.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    check_cp_size(cp_size, who="new_cp_group")
     if backend not in ("auto", "gloo", "nccl", "fake"):
         raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or 'fake', got {backend!r}")
     if backend == "fake":
@@ -301,7 +197,3 @@ def new_cp_group(
             raise ValueError(f"world size {world} is not a multiple of cp_size {cp_size}")
         group, _ = dist.new_subgroups(cp_size, backend=pg_backend)
     return TorchDistCPGroup(group, timeout_s=timeout_s, check_order=check_order)
-
-
-# FakeCPGroup lives in its own file; re-exported here (after the names it needs exist).
-from dsv4cp.cp.fake import FakeCPGroup, FakeCPWorld, run_ranks  # noqa: E402
