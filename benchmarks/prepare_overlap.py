@@ -25,8 +25,9 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.observe.profiling import capture_trace
+from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
 from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.profiling import capture_trace, overlap_fraction, plot_timeline
 from dsv4cp.schedule import StreamPool, lanes_of
 
 LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source, r1 reuse, consumer

@@ -8,10 +8,10 @@ from torch import Tensor, nn
 from dsv4cp import backend as K
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
+from dsv4cp.observe.timing import stage
 from dsv4cp.ops import grouped_output
 from dsv4cp.prepare import build_schedule
 from dsv4cp.schedule import PrepareState, Schedule, run_multistream, run_serial
-from dsv4cp.timing import maybe_stage
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -99,9 +99,9 @@ class DeepseekV41Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         st = self.prepare(x, ctx)
-        with maybe_stage(ctx.timer, "sparse_attention"):
+        with stage("sparse_attention"):
             o = self.attend(st["q"], ctx)
-        with maybe_stage(ctx.timer, "output_proj"):
+        with stage("output_proj"):
             return grouped_output(o, self.wo_a, self.wo_b, self.config.o_groups)
 
     def sparse_indices(self, ctx: ForwardContext) -> Tensor:

@@ -18,8 +18,8 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.graph_runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.observe.timing import StageTimer
 from dsv4cp.runner import PrefillRunner
-from dsv4cp.timing import StageTimer
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dsv4cp.config import LayerRole
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.timing import StageTimer
 
 
 @dataclass
@@ -39,7 +38,6 @@ class ForwardContext:
     candidates: dict[int, Tensor] = field(default_factory=dict)
     record: dict[str, Tensor] | None = None  # per-layer outputs kept for `dsv4cp check`
     lane_hook: object | None = None  # test hook: callable(lane) run at the start of each lane
-    timer: StageTimer | None = None  # per-stage wall time (serial executor only: it syncs)
     policy: MultistreamPolicy | None = None  # per-layer say when multistream is on
     overlap_gathers: bool = True  # False: gathers are graph breaks, fork the Q lanes after them
 

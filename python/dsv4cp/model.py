@@ -18,10 +18,9 @@ from torch import Tensor, nn
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
+from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
-from dsv4cp.profiling import nvtx_range
 from dsv4cp.schedule import StreamPool, lanes_of
-from dsv4cp.timing import maybe_stage
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -57,9 +56,9 @@ class DecoderLayer(nn.Module):
         self.ffn = SwiGLU(d, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
-        with nvtx_range(f"layer{self.attn.layer}/attention"):
+        with stage("attention", layer=self.attn.layer, timed=False):
             h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), ctx)
-        with nvtx_range(f"layer{self.attn.layer}/ffn"), maybe_stage(ctx.timer, "ffn"):
+        with stage("ffn", layer=self.attn.layer):
             return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
 

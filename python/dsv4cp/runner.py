@@ -20,9 +20,9 @@ from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.graph_runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
 from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.observe.timing import StageTimer, use_timer
 from dsv4cp.policy import MultistreamPolicy
 from dsv4cp.schedule import StreamPool
-from dsv4cp.timing import StageTimer
 
 Requests = Mapping[object, Sequence[int]] | Sequence[tuple[object, Sequence[int]]]
 
@@ -46,7 +46,6 @@ def forward_tokens(
     policy: MultistreamPolicy,
     streams: StreamPool | None,
     record: bool = False,
-    timer: StageTimer | None = None,
     lane_hook: object | None = None,
 ) -> tuple[Tensor, ForwardContext]:
     """One eager forward of a batch whose slots and `req_to_token` rows are already written:
@@ -63,7 +62,6 @@ def forward_tokens(
         streams=streams,
         policy=policy,
         record={} if record else None,
-        timer=timer,
         lane_hook=lane_hook,
     )
     ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
@@ -176,7 +174,8 @@ class PrefillRunner:
             self._check_same_batch(items, [r.start for r in reservations])
             for res in reservations:
                 self.alloc.write_table(res)
-            out = self._forward(items, reservations, return_all_logits, record, timer)
+            with use_timer(timer):
+                out = self._forward(items, reservations, return_all_logits, record, timer is None)
         except BaseException:
             for res in reversed(reservations):
                 self.alloc.rollback(res)
@@ -191,7 +190,7 @@ class PrefillRunner:
         reservations: list[Reservation],
         return_all_logits: bool,
         record: bool,
-        timer: StageTimer | None,
+        graphs_ok: bool,
     ) -> PrefillOutput:
         model, cache = self.model, self.cache
         batch = PrefillBatch(
@@ -205,20 +204,20 @@ class PrefillRunner:
         input_ids = batch.input_ids(cache.device)
         with torch.inference_mode():
             bg = None
-            if self.graph_runner is not None and not record and timer is None:
+            if self.graph_runner is not None and not record and graphs_ok:
                 bg = self.graph_runner.select(meta)
             layers = topk = None
             if bg is not None:
                 hidden = self.graph_runner.replay(bg, meta, input_ids)
             else:
-                hidden, layers, topk = self._eager(meta, input_ids, record, timer)
+                hidden, layers, topk = self._eager(meta, input_ids, record)
             rows = batch.last_token_rows()
             logits = model.logits(hidden[rows])
             all_logits = model.logits(hidden) if return_all_logits else None
         return PrefillOutput(logits, all_logits, hidden, layers, topk)
 
     def _eager(
-        self, meta: BatchMetadata, input_ids: Tensor, record: bool, timer: StageTimer | None
+        self, meta: BatchMetadata, input_ids: Tensor, record: bool
     ) -> tuple[Tensor, dict[str, Tensor] | None, dict[int, Tensor] | None]:
         hidden, ctx = forward_tokens(
             self.model,
@@ -229,7 +228,6 @@ class PrefillRunner:
             policy=self.policy,
             streams=self.streams,
             record=record,
-            timer=timer,
             lane_hook=self.lane_hook,
         )
         layers = topk = None

@@ -240,10 +240,9 @@ def run_serial(schedule: Schedule, state: PrepareState, *, check: bool = False) 
 
 
 def _run_node(node: Node, state: PrepareState, check: bool) -> None:
-    from dsv4cp.profiling import nvtx_range
-    from dsv4cp.timing import maybe_stage
+    from dsv4cp.observe.timing import stage
 
-    with nvtx_range(node.name), maybe_stage(getattr(state.ctx, "timer", None), node.name):
+    with stage(node.name):
         node.fn(state)
     if check:
         missing = [w for w in node.writes if w not in state]

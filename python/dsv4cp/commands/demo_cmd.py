@@ -37,7 +37,7 @@ def _stage_table(rows: list[tuple[str, float, int]], title: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
     from dsv4cp.config import DeepseekV41Config
-    from dsv4cp.timing import StageTimer
+    from dsv4cp.observe.timing import StageTimer
 
     cfg = DeepseekV41Config.tiny()
     try:

@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.config import DeepseekV41Config
     from dsv4cp.graph_runner import GraphConfig
     from dsv4cp.model import DeepseekV41ForCausalLM
-    from dsv4cp.profiling import capture_trace, overlap_fraction, plot_timeline
+    from dsv4cp.observe.profiling import capture_trace
+    from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
     from dsv4cp.runner import PrefillRunner
 
     if (args.multistream or args.graphs) and args.device != "cuda":

@@ -1,6 +1,6 @@
 """The overlap metric over kernel intervals and the stream-timeline PNG.
 
-A kernel is a 4-tuple `(name, stream, start_us, end_us)` (`profiling.Kernel`). The metric is
+A kernel is a 4-tuple `(name, stream, start_us, end_us)` (`observe.profiling.Kernel`). The metric is
 exact: a sweep line over the per-stream unions of kernel intervals, so nested or back-to-back
 kernels on one stream count as one stream.
 """
@@ -58,6 +58,16 @@ def _per_stream(kernels: Iterable[Sequence[Any]], window: Interval) -> dict[Any,
     return {st: _union(iv) for st, iv in by.items()}
 
 
+def _edges(kernels: list[Sequence[Any]], window: Interval) -> list[tuple[float, int]]:
+    """Sweep-line events, sorted: (start, +1) and (end, -1) of each stream's busy intervals."""
+    edges: list[tuple[float, int]] = []
+    for ivs in _per_stream(kernels, window).values():
+        for s, e in ivs:
+            edges += [(s, 1), (e, -1)]
+    edges.sort()
+    return edges
+
+
 def _resolve(kernels: list[Sequence[Any]], window: Interval | None) -> Interval:
     if window is None:
         return span(kernels)
@@ -73,11 +83,7 @@ def concurrency(
     """Time (µs) inside the window with exactly n distinct streams busy, for each n ≥ 0."""
     ks = list(kernels)
     lo, hi = _resolve(ks, window)
-    edges: list[tuple[float, int]] = []
-    for ivs in _per_stream(ks, (lo, hi)).values():
-        for s, e in ivs:
-            edges += [(s, 1), (e, -1)]
-    edges.sort()
+    edges = _edges(ks, (lo, hi))
     hist: dict[int, float] = {}
     active, t = 0, lo
     for x, d in edges:
@@ -96,11 +102,7 @@ def overlap_intervals(
     """Maximal intervals inside the window where ≥ min_streams distinct streams are busy."""
     ks = list(kernels)
     lo, hi = _resolve(ks, window)
-    edges: list[tuple[float, int]] = []
-    for ivs in _per_stream(ks, (lo, hi)).values():
-        for s, e in ivs:
-            edges += [(s, 1), (e, -1)]
-    edges.sort()
+    edges = _edges(ks, (lo, hi))
     out: list[Interval] = []
     active, start = 0, 0.0
     for x, d in edges:
@@ -181,9 +183,14 @@ def plot_timeline(
     """Draw one lane per stream (kernels as bars, gathers in a distinct colour, a top lane marking
     where ≥ 2 streams overlap), time in µs from the window start. Writes a PNG and returns the
     overlap fraction shown in the title. Uses the Agg canvas directly (no pyplot state)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "plot_timeline needs matplotlib: pip install 'dsv4cp[plot]'"
+        ) from e
 
     ks = list(kernels)
     lo, hi = _resolve(ks, window)

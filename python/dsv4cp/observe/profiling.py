@@ -1,13 +1,10 @@
-"""NVTX ranges, torch.profiler traces, stream timelines and the overlap metric.
+"""torch.profiler traces: `capture_trace` records one, `Trace` parses a Chrome trace.
 
 Times are microseconds (the Chrome-trace unit). A kernel is a 4-tuple
-`(name, stream, start_us, end_us)`; `Kernel` is the named form. The overlap metric is exact: a sweep
-line over the per-stream unions of kernel intervals, so nested or back-to-back kernels on one stream
-count as one stream.
-
-NVTX ranges are host-side: they appear when Python runs (eager, warm-up, capture) and not for the
-kernels of a replayed CUDA graph. Attribute replayed kernels by name or by the launch correlation
-(`Trace.kernels_in`).
+`(name, stream, start_us, end_us)`; `Kernel` is the named form, which `observe.timeline` measures
+(the overlap metric) and draws. Host ranges (NVTX, `record_function`) appear where Python runs,
+not for the kernels of a replayed CUDA graph: attribute those by name or by the launch
+correlation (`Trace.kernels_in`).
 """
 
 from __future__ import annotations
@@ -18,26 +15,12 @@ import os
 import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ContextDecorator
-from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-# The overlap metric and the timeline plot live in `dsv4cp.timeline`; re-exported here.
-from dsv4cp.timeline import (
-    GATHER_PATTERNS,
-    Interval,
-    busy_fraction,
-    concurrency,
-    is_gather,
-    overlap_fraction,
-    overlap_intervals,
-    plot_timeline,
-    span,
-    timeline_stats,
-)
+from dsv4cp.observe.timeline import GATHER_PATTERNS, Interval, is_gather
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -60,54 +43,6 @@ class Range(NamedTuple):
     end_us: float
     cat: str
 
-
-
-
-# ----------------------------------------------------------------------------- NVTX ranges
-
-
-@cache
-def _nvtx_on() -> bool:
-    if os.environ.get("DSV4CP_NVTX", "1") == "0":
-        return False
-    return torch.cuda.is_available()
-
-
-def _profiler_on() -> bool:
-    return bool(torch._C._autograd._profiler_enabled())
-
-
-class nvtx_range(ContextDecorator):
-    """`with nvtx_range("layer3/gather"):` pushes an NVTX range on CUDA (unless DSV4CP_NVTX=0) and,
-    while a torch profiler is recording, a `record_function` range so CPU traces show the name.
-    With neither active it only does two flag checks. Also usable as a decorator."""
-
-    __slots__ = ("_nvtx", "_rf", "name")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._nvtx = False
-        self._rf: Any = None
-
-    def __enter__(self) -> nvtx_range:
-        if _profiler_on():
-            self._rf = torch.profiler.record_function(self.name)
-            self._rf.__enter__()
-        if _nvtx_on():
-            torch.cuda.nvtx.range_push(self.name)
-            self._nvtx = True
-        return self
-
-    def _recreate_cm(self) -> nvtx_range:
-        return nvtx_range(self.name)  # fresh state per decorated call (recursion, threads)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._nvtx:
-            torch.cuda.nvtx.range_pop()
-            self._nvtx = False
-        if self._rf is not None:
-            rf, self._rf = self._rf, None
-            rf.__exit__(*exc)
 
 
 # ----------------------------------------------------------------------------- traces
@@ -331,25 +266,4 @@ class Trace:
         return min(r.start_us for r in rs), max(r.end_us for r in rs)
 
 
-
-
-# The overlap metric and the timeline plot live in `dsv4cp.timeline`; re-exported here.
-
-__all__ = [
-    "GATHER_PATTERNS",
-    "GPU_CATS",
-    "Kernel",
-    "Range",
-    "Trace",
-    "busy_fraction",
-    "capture_trace",
-    "concurrency",
-    "is_gather",
-    "nvtx_range",
-    "overlap_fraction",
-    "overlap_intervals",
-    "plot_timeline",
-    "span",
-    "timeline_stats",
-]
-
+__all__ = ["GPU_CATS", "Kernel", "Range", "Trace", "capture_trace"]

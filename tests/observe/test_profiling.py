@@ -6,19 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4cp.profiling import (
-    Kernel,
-    Trace,
+from dsv4cp.observe.profiling import Kernel, Trace, capture_trace
+from dsv4cp.observe.timeline import (
     busy_fraction,
-    capture_trace,
     concurrency,
-    nvtx_range,
     overlap_fraction,
     overlap_intervals,
     plot_timeline,
     span,
     timeline_stats,
 )
+from dsv4cp.observe.timing import nvtx_range
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
