@@ -23,7 +23,7 @@ import torch
 
 from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, write_json
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.graph_runner import GraphConfig
+from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.runner import PrefillRunner
 

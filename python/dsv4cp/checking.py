@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.group import CPGroup, SingleCPGroup
-from dsv4cp.graph_runner import GraphConfig
+from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.observe.timing import StageTimer
 from dsv4cp.runner import PrefillRunner

@@ -8,11 +8,11 @@ import torch
 from torch import Tensor
 
 from dsv4cp.batch import BatchMetadata, TokenMeta
-from dsv4cp.bcg import eager_break
 from dsv4cp.cache import KVCache
 from dsv4cp.config import LayerRole
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.graphs.bcg import eager_break
 from dsv4cp.policy import MultistreamPolicy
 
 

@@ -18,7 +18,7 @@ from dsv4cp.cache import KVCache, PagedAllocator, Reservation
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup
 from dsv4cp.cp.layout import CPLayout
-from dsv4cp.graph_runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
+from dsv4cp.graphs.runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.observe.timing import StageTimer, use_timer
 from dsv4cp.policy import MultistreamPolicy

@@ -9,7 +9,7 @@ import torch
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
-from dsv4cp.graph_runner import GraphConfig
+from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.runner import PrefillRunner
 

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dsv4cp.config import DeepseekV41Config
-    from dsv4cp.graph_runner import GraphConfig
+    from dsv4cp.graphs.runner import GraphConfig
     from dsv4cp.model import DeepseekV41ForCausalLM
     from dsv4cp.observe.profiling import capture_trace
     from dsv4cp.observe.timeline import overlap_fraction, plot_timeline

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
-from dsv4cp.bcg import BreakableGraph
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
+from dsv4cp.graphs.bcg import BreakableGraph
 
 log = logging.getLogger("dsv4cp.graphs")
 

@@ -9,7 +9,7 @@ import torch
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
-from dsv4cp.graph_runner import GraphConfig, GraphRunner, StaticBatch
+from dsv4cp.graphs.runner import GraphConfig, GraphRunner, StaticBatch
 from dsv4cp.model import DeepseekV41ForCausalLM
 from dsv4cp.runner import PrefillRunner
 
@@ -59,7 +59,7 @@ def test_select_falls_back_when_nothing_fits() -> None:
     r = _runner()
     gr = GraphRunner(GraphConfig(buckets=(8, 32)))
     for b in (8, 32):
-        from dsv4cp.graph_runner import BucketGraph, BucketReport
+        from dsv4cp.graphs.runner import BucketGraph, BucketReport
 
         gr.graphs[b] = BucketGraph(StaticBatch(b, gr.config, r.cache.req_to_token, r.ratios,
                                                r.cp), None, BucketReport(b, 0, 0, 1))
@@ -75,7 +75,7 @@ def _bucket_vs_eager(group, bucket: int):  # noqa: ANN001
     ref_runner, pad_runner = _runner(1, group), _runner(1, group)
     with torch.inference_mode():
         meta, ids, res = _meta(ref_runner, prompts)
-        ref, _, _ = ref_runner._eager(meta, ids, False, None)
+        ref, _, _ = ref_runner._eager(meta, ids, False)
         meta2, ids2, _ = _meta(pad_runner, prompts)
         st = StaticBatch(bucket, GraphConfig(buckets=(bucket,), max_context=256),
                          pad_runner.cache.req_to_token, pad_runner.ratios, group)
