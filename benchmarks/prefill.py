@@ -24,7 +24,7 @@ import torch
 from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, write_json
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.graphs.runner import GraphConfig
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 
@@ -55,14 +55,14 @@ def bench_config() -> DeepseekV41Config:
     )
 
 
-def build_model(cfg: DeepseekV41Config) -> DeepseekV41ForCausalLM:
-    model = DeepseekV41ForCausalLM(cfg, dtype=torch.bfloat16, device="cuda", seed=None)
+def build_model(cfg: DeepseekV41Config) -> DeepseekV41Model:
+    model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device="cuda", seed=None)
     fill_random_(model.checkpoint_weights())
     return model
 
 
 def measure(
-    model: DeepseekV41ForCausalLM, cfg: DeepseekV41Config, cp: int, total: int, iters: int
+    model: DeepseekV41Model, cfg: DeepseekV41Config, cp: int, total: int, iters: int
 ) -> dict[str, float]:
     prompt = torch.randint(0, cfg.vocab_size, (total,)).tolist()
     res = {}

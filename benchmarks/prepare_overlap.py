@@ -24,11 +24,11 @@ from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
-from dsv4cp.cp.layout import CPLayout
+from dsv4cp.executors import SERIAL, Executor, ExecutorFactory, MultistreamExecutor, StreamPool
 from dsv4cp.observe.profiling import capture_trace
 from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
 from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.schedule import StreamPool, lanes_of
+from dsv4cp.schedule import lanes_of
 
 LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source, r1 reuse, consumer
 
@@ -47,17 +47,19 @@ def make_ctx(cfg: DeepseekV41Config, tokens: int, dtype: torch.dtype) -> Forward
     cache.req_to_token[0, :tokens] = torch.arange(1, tokens + 1, device="cuda")
     batch = PrefillBatch((RequestSlice("r", 0, 0, tuple(range(tokens))),))
     meta = build_metadata(batch, cache.req_to_token, list(range(1, tokens + 1)), (1, 2))
-    layout = CPLayout.build(tokens, 1).to("cuda")
-    local = meta.tokens.take(layout.local_token_ids(0))
-    return ForwardContext(cache=cache, meta=meta, local=local, cp=SingleCPGroup(), layout=layout)
+    return ForwardContext.for_rank(meta, cache, SingleCPGroup())
 
 
 def measure(
-    attn: DeepseekV41Attention, ctx: ForwardContext, x: torch.Tensor, iters: int, png: str | None
+    attn: DeepseekV41Attention,
+    ctx: ForwardContext,
+    x: torch.Tensor,
+    iters: int,
+    png: str | None,
+    executors: dict[bool, Executor],
 ) -> dict:
     def run(ms: bool) -> None:
-        ctx.multistream = ms
-        attn.prepare(x, ctx)
+        attn.prepare(x, ctx, executors[ms])
 
     res = {}
     for ms in (False, True):
@@ -95,11 +97,11 @@ def measure(
     )
     row["eager_ratio"] = res["eager_multistream"] / res["eager_serial"]
     row["graph_ratio"] = res["graph_multistream"] / res["graph_serial"]
-    policy = MultistreamPolicy()  # the defaults the runner uses with multistream="auto"
+    # The runner's decision with multistream="auto" (the policy's defaults).
+    factory = ExecutorFactory(MultistreamPolicy(), executors[True].streams)
     for mode in ("eager", "graph"):
-        use = policy.decide(x.shape[0], graphs=mode == "graph", cuda=True) and policy.layer_pays(
-            attn.role
-        )
+        chosen = factory.choose(x.shape[0], graphs=mode == "graph").for_role(attn.role)
+        use = isinstance(chosen, MultistreamExecutor)
         picked = res[f"{mode}_{'multistream' if use else 'serial'}"]
         best = min(res[f"{mode}_serial"], res[f"{mode}_multistream"])
         row[f"policy_{mode}"] = "multistream" if use else "serial"
@@ -123,20 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     ids = tuple(int(v) for v in args.layers.split(","))
     layers = build_layers(cfg, ids, dtype)
-    streams = StreamPool(lanes_of([a.schedule for a in layers.values()]), torch.device("cuda"))
+    streams = StreamPool(lanes_of([a.schedule() for a in layers.values()]), torch.device("cuda"))
+    executors: dict[bool, Executor] = {False: SERIAL, True: MultistreamExecutor(streams)}
     table = Table(title="forward prepare, V4.1-Flash dims, bf16, CP=1, one request, prefix 0")
     rows = []
     png_done = False
     toks = [int(v) for v in args.tokens.split(",")]
     for tokens in toks:
         ctx = make_ctx(cfg, tokens, dtype)
-        ctx.streams = streams
         x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=dtype)
         for i in sorted(ids):  # populate cross-layer state (index-K ws, top-k, candidates)
             layers[i].prepare(x, ctx)
         for i in ids:
             want_png = args.png and not png_done and (tokens == 2048 or tokens == toks[-1])
-            row = measure(layers[i], ctx, x, args.iters, args.png if want_png else None)
+            row = measure(
+                layers[i], ctx, x, args.iters, args.png if want_png else None, executors
+            )
             png_done = png_done or bool(want_png)
             rows.append(row)
             table.add(row)

@@ -10,32 +10,28 @@ import torch
 
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.executors import SerialExecutor
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 from dsv4cp.schedule import (
     DEFAULT,
     Fork,
     Join,
     Node,
+    PrepareState,
     Release,
     Schedule,
     ScheduleError,
-    run_serial,
     validate,
 )
 
 
-def _schedules(cfg: DeepseekV41Config) -> list[Schedule]:
-    out = []
-    for i in range(cfg.num_hidden_layers):
-        attn = DeepseekV41Attention.__new__(DeepseekV41Attention)
-        torch.nn.Module.__init__(attn)
-        attn.role = cfg.layer_role(i)
-        attn.layer = i
-        from dsv4cp.prepare import build_schedule
-
-        out.append(build_schedule(attn))
-    return out
+def _schedules(cfg: DeepseekV41Config, overlap_gathers: bool = True) -> list[Schedule]:
+    # On the meta device: the schedules of the real Flash layers, without their weights.
+    return [
+        DeepseekV41Attention(cfg, i, device="meta").schedule(overlap_gathers)
+        for i in range(cfg.num_hidden_layers)
+    ]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "flash"])
@@ -136,10 +132,8 @@ def test_unjoined_lane_and_missing_write_are_rejected() -> None:
         validate(_edit(s, steps))
     lazy = Schedule("lazy", (Node("n", lambda st: None, ("x",), ("y",)),), ("x",), ("y",))
     validate(lazy)
-    from dsv4cp.schedule import PrepareState
-
     with pytest.raises(ScheduleError, match="did not write"):
-        run_serial(lazy, PrepareState(None, x=1), check=True)
+        SerialExecutor().run(lazy, PrepareState(None, x=1), check=True)
 
 
 def _reorder(s: Schedule, reverse_lanes: bool) -> Schedule:
@@ -162,15 +156,15 @@ def test_any_allowed_issue_order_gives_identical_results(reverse_lanes: bool) ->
     cfg = DeepseekV41Config.tiny()
     torch.manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (70,)).tolist()
-    ref_model = DeepseekV41ForCausalLM(cfg, seed=3)
+    ref_model = DeepseekV41Model(cfg, seed=3)
     ref = PrefillRunner(ref_model, num_slots=512).prefill({"a": prompt}, return_all_logits=True)
-    model = DeepseekV41ForCausalLM(cfg, seed=3)
+    model = DeepseekV41Model(cfg, seed=3)
     changed = 0
     for layer in model.layers:
-        new = _reorder(layer.attn.schedule, reverse_lanes)
+        new = _reorder(layer.attn.schedule(), reverse_lanes)
         validate(new)
-        changed += [n.name for n in new.nodes] != [n.name for n in layer.attn.schedule.nodes]
-        layer.attn.schedule = new
+        changed += [n.name for n in new.nodes] != [n.name for n in layer.attn.schedule().nodes]
+        layer.attn.schedules[True] = new
     assert changed >= 3
     got = PrefillRunner(model, num_slots=512).prefill({"a": prompt}, return_all_logits=True)
     assert torch.equal(got.all_logits, ref.all_logits)

@@ -130,10 +130,10 @@ class Reference:
     def __init__(self, model_path: str | os.PathLike[str], dtype: str = "float32") -> None:
         import torch
 
-        from dsv4cp.model import DeepseekV41ForCausalLM
+        from dsv4cp.model import DeepseekV41Model
 
         self.torch = torch
-        self.model = DeepseekV41ForCausalLM.from_pretrained(
+        self.model = DeepseekV41Model.from_pretrained(
             model_path, dtype=getattr(torch, dtype), device="cpu"
         )
 

@@ -8,10 +8,11 @@ from torch import Tensor, nn
 from dsv4cp import backend as K
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
+from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import grouped_output
 from dsv4cp.prepare import build_schedule
-from dsv4cp.schedule import PrepareState, Schedule, run_multistream, run_serial
+from dsv4cp.schedule import PrepareState, Schedule
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -61,8 +62,7 @@ class DeepseekV41Attention(nn.Module):
         if self.role.index_source:
             self.idx_wq_b = _param(c.index_n_heads * c.index_head_dim, c.q_lora_rank, **p)
             self.idx_weights_proj = _param(c.index_n_heads, d, **p)
-        self.schedule: Schedule = build_schedule(self)
-        self.schedule_gathers_first: Schedule = build_schedule(self, overlap_gathers=False)
+        self.schedules: dict[bool, Schedule] = {}  # by overlap_gathers, built when first asked
 
     def checkpoint_weights(self) -> dict[str, Tensor]:
         """DeepSeek checkpoint names (under `layers.{i}.attn.`) → views of this layer's weights."""
@@ -89,16 +89,20 @@ class DeepseekV41Attention(nn.Module):
             out["indexer.weights_proj.weight"] = self.idx_weights_proj
         return out
 
-    # ------------------------------------------------------------------ forward
-    def prepare(self, x: Tensor, ctx: ForwardContext) -> PrepareState:
-        st = PrepareState(ctx, x=x)
-        sched = self.schedule if ctx.overlap_gathers else self.schedule_gathers_first
-        if ctx.multistream and ctx.policy_allows(self.role):
-            return run_multistream(sched, st, ctx.streams, before_lane_start=ctx.lane_hook)
-        return run_serial(sched, st)
+    def schedule(self, overlap_gathers: bool = True) -> Schedule:
+        """This layer's prepare; `overlap_gathers=False` is the gathers-first variant."""
+        sched = self.schedules.get(overlap_gathers)
+        if sched is None:
+            sched = build_schedule(self, overlap_gathers=overlap_gathers)
+            self.schedules[overlap_gathers] = sched
+        return sched
 
-    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        st = self.prepare(x, ctx)
+    # ------------------------------------------------------------------ forward
+    def prepare(self, x: Tensor, ctx: ForwardContext, executor: Executor = SERIAL) -> PrepareState:
+        return executor.run(self.schedule(executor.overlap_gathers), PrepareState(ctx, x=x))
+
+    def forward(self, x: Tensor, ctx: ForwardContext, executor: Executor = SERIAL) -> Tensor:
+        st = self.prepare(x, ctx, executor)
         with stage("sparse_attention"):
             o = self.attend(st["q"], ctx)
         with stage("output_proj"):
@@ -110,7 +114,7 @@ class DeepseekV41Attention(nn.Module):
         win = local.window_slots(self.window)
         parts = [torch.where(win >= 0, win + cache.swa_base(self.layer), -1)]
         if self.role.compressed:
-            topk = ctx.topk[self.role.ratio]
+            topk = ctx.cross.topk[self.role.ratio]
             comp = local.entry_slots(self.role.ratio, topk)
             parts.append(torch.where(comp >= 0, comp + cache.comp_base(self.role.kv_source), -1))
         return torch.cat(parts, dim=1).to(torch.int32)
@@ -120,5 +124,5 @@ class DeepseekV41Attention(nn.Module):
         idx = self.sparse_indices(ctx)
         o = K.sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
         o = K.rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
-        # Padding rows are zeroed before any reduction (invariant 5).
+        # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).
         return o * local.valid[:, None, None].to(o.dtype)

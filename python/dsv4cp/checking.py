@@ -9,15 +9,18 @@ need not match).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.cp.group import CPGroup, SingleCPGroup
+from dsv4cp.context import ForwardContext
+from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
 from dsv4cp.graphs.runner import GraphConfig
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.observe.timing import StageTimer
 from dsv4cp.runner import PrefillRunner
 
@@ -70,13 +73,53 @@ class Scenario:
         return out
 
 
+class LayerRecorder:
+    """A `DeepseekV41Model.layer_hook`: keeps each layer's local output rows of one forward;
+    `gathered()` returns them, and the last top-k per ratio, as global rows on every rank."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Tensor] = {}
+        self.ctx: ForwardContext | None = None
+
+    def __call__(self, name: str, h: Tensor, ctx: ForwardContext) -> None:
+        self.rows[name] = h
+        self.ctx = ctx
+
+    def gathered(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+        """Collectives: every rank calls this after the same forward."""
+        ctx = self.ctx
+        if ctx is None:
+            raise ValueError("LayerRecorder.gathered: no forward ran while it was the layer hook")
+        with torch.inference_mode():
+            layers = {
+                k: gather_global(ctx.cp, ctx.layout, v, tag=f"record/{k}")
+                for k, v in self.rows.items()
+            }
+            topk = {
+                r: gather_global(ctx.cp, ctx.layout, t, tag=f"record/topk{r}")
+                for r, t in sorted(ctx.cross.topk.items())
+            }
+        return layers, topk
+
+
+@contextmanager
+def recording(model: DeepseekV41Model) -> Iterator[LayerRecorder]:
+    """Record every layer's output rows of the forwards run inside (eagerly: see layer_hook)."""
+    recorder = LayerRecorder()
+    model.layer_hook = recorder
+    try:
+        yield recorder
+    finally:
+        model.layer_hook = None
+
+
 def run_scenario(
     sc: Scenario, cp: CPGroup | None = None, *, timer: StageTimer | None = None
 ) -> dict[str, Tensor]:
     """Run `sc` on this rank; returns CPU tensors keyed by what they are."""
     cp = cp or SingleCPGroup()
     dtype = getattr(torch, sc.dtype)
-    model = DeepseekV41ForCausalLM(sc.config, dtype=dtype, device=sc.device, seed=sc.seed)
+    model = DeepseekV41Model(sc.config, dtype=dtype, device=sc.device, seed=sc.seed)
     total = sum(sc.lens)
     graphs = None
     if sc.graphs:
@@ -99,15 +142,18 @@ def run_scenario(
     for i, batch in enumerate(steps):
         # Per-layer rows are recorded eagerly only: a graph replay keeps no intermediates.
         last = i == len(steps) - 1 and not sc.graphs
-        out = runner.prefill(batch, record=last, timer=timer if not sc.graphs else None)
+        if last:
+            with recording(model) as recorder:
+                out = runner.prefill(batch, timer=timer)
+            layers, topk = recorder.gathered()
+            for name, h in layers.items():
+                res[f"hidden/{name}"] = h.detach().float().cpu()
+            for r, t in topk.items():
+                res[f"topk/ratio{r}"] = t.detach().cpu()
+        else:
+            out = runner.prefill(batch, timer=timer if not sc.graphs else None)
         for rid, row in zip(batch, out.logits):
             res[f"logits/step{i}/{rid}"] = row.detach().float().cpu()
-        if last:
-            assert out.layers is not None and out.topk is not None
-            for name, h in out.layers.items():
-                res[f"hidden/{name}"] = h.detach().float().cpu()
-            for r, t in out.topk.items():
-                res[f"topk/ratio{r}"] = t.detach().cpu()
     for rid in [f"r{i}" for i in range(len(sc.lens))]:
         st = runner.alloc.requests[rid]
         slots = runner.cache.req_to_token[st.row, : st.length]

@@ -1,4 +1,14 @@
-"""Per-forward state shared by the layers of one prefill forward on one CP rank."""
+"""Per-forward state of one CP rank: the batch's inputs, and what later layers read.
+
+Inputs: the caches (replicated on every rank), the batch metadata (global rows, `meta.tokens`),
+this rank's local rows (`local`, and `local_ids`: the global token of each local row, -1 for
+padding), the CP group and the CP layout. "Reads are local, writes are global": queries use
+`local`, cache writes use the gathered global rows.
+
+`cross` is the one thing layers write for later layers, per compress ratio: the index-K
+workspace a kv source builds, the top-k of the latest index source, and the candidate blocks of
+the candidate source.
+"""
 
 from __future__ import annotations
 
@@ -9,52 +19,52 @@ from torch import Tensor
 
 from dsv4cp.batch import BatchMetadata, TokenMeta
 from dsv4cp.cache import KVCache
-from dsv4cp.config import LayerRole
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
-from dsv4cp.graphs.bcg import eager_break
-from dsv4cp.policy import MultistreamPolicy
+
+
+@dataclass
+class CrossLayer:
+    """Per compress ratio: what one layer of a forward leaves for the later ones."""
+
+    index_k_ws: dict[int, Tensor] = field(default_factory=dict)  # written by the kv source
+    topk: dict[int, Tensor] = field(default_factory=dict)  # written by each index source
+    candidates: dict[int, Tensor] = field(default_factory=dict)  # by the candidate source
 
 
 @dataclass
 class ForwardContext:
-    """Reads are local (`local`: this rank's rows), writes are global (`meta.tokens`).
-
-    Cross-layer results live here, per compress ratio: the index-K workspace built by the kv
-    source, the top-k of the latest index source, and the candidate blocks of the candidate
-    source. The caches are replicated on every rank.
-    """
-
     cache: KVCache
     meta: BatchMetadata
     local: TokenMeta
+    local_ids: Tensor
     cp: CPGroup
     layout: CPLayout
-    multistream: bool = False
-    streams: object | None = None  # schedule.StreamPool when multistream
-    logits_budget_bytes: int = 256 << 20
-    index_k_ws: dict[int, Tensor] = field(default_factory=dict)
-    topk: dict[int, Tensor] = field(default_factory=dict)
-    candidates: dict[int, Tensor] = field(default_factory=dict)
-    record: dict[str, Tensor] | None = None  # per-layer outputs kept for `dsv4cp check`
-    lane_hook: object | None = None  # test hook: callable(lane) run at the start of each lane
-    policy: MultistreamPolicy | None = None  # per-layer say when multistream is on
-    overlap_gathers: bool = True  # False: gathers are graph breaks, fork the Q lanes after them
+    cross: CrossLayer = field(default_factory=CrossLayer)
 
-    def gather(self, x: Tensor, tag: str) -> Tensor:
-        """Local rows [P, ...] → global rows [T, ...] in token order (all-gather + rerange)."""
-        if self.cp.cp_size == 1:
-            return x[: self.layout.num_tokens]
-        if not getattr(self.cp, "capturable", False):
-            # Not capturable (FakeCPGroup threads): an eager break under graphs, a call otherwise.
-            return eager_break(self._gather_now, x, tag)
-        return self._gather_now(x, tag)
+    @classmethod
+    def for_rank(
+        cls,
+        meta: BatchMetadata,
+        cache: KVCache,
+        cp: CPGroup,
+        *,
+        layout: CPLayout | None = None,
+        local_ids: Tensor | None = None,
+    ) -> ForwardContext:
+        """This rank's view of a batch. A graph bucket passes its static `layout` and
+        `local_ids`; otherwise they are built from the batch's token count."""
+        if layout is None:
+            layout = CPLayout.build(meta.tokens.num_rows, cp.cp_size).to(cache.device)
+        if local_ids is None:
+            local_ids = layout.local_token_ids(cp.rank)
+        local = meta.tokens.take(local_ids)
+        return cls(cache=cache, meta=meta, local=local, local_ids=local_ids, cp=cp, layout=layout)
 
-    def _gather_now(self, x: Tensor, tag: str) -> Tensor:
-        return self.layout.unshard(self.cp.all_gather(x.contiguous(), tag=tag))
-
-    def policy_allows(self, role: LayerRole) -> bool:
-        return self.policy is None or self.policy.layer_pays(role)
+    @property
+    def local_rows(self) -> int:
+        """Physical rows of every rank (P): what the multistream policy weighs."""
+        return self.layout.padded_rows
 
     def workspace_start(self, ratio: int) -> Tensor:
         return self.meta.workspace_start(ratio, self.local)

@@ -110,12 +110,12 @@ def export_tiny(
     """Write a servable tiny checkpoint (fp32 weights) to `path` and return it."""
     import torch
 
-    from dsv4cp.model import DeepseekV41ForCausalLM
+    from dsv4cp.model import DeepseekV41Model
 
     config = config or DeepseekV41Config.tiny()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = DeepseekV41ForCausalLM(config, dtype=torch.float32, device="cpu", seed=seed)
+    model = DeepseekV41Model(config, dtype=torch.float32, device="cpu", seed=seed)
     model.save_pretrained(path)
     cfg_path = path / "config.json"
     hf = serving_config(json.loads(cfg_path.read_text()), config, "float32")

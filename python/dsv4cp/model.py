@@ -1,8 +1,10 @@
-"""A small DeepSeek-V4.1-shaped decoder: embedding, (attention + dense SwiGLU) blocks, norm, head.
+"""`DeepseekV41Model`: a V4.1-shaped decoder (embedding, attention + dense SwiGLU blocks, norm,
+head) and its one forward, shared by `PrefillRunner` (eager and graph capture) and the SGLang
+adapter: local token ids → embedding → every layer → the gather of the last hidden rows.
 
-It exists for the demo, tests, benchmarks and SGLang serving. MoE, mHC and engrams are out of
-scope: the FFN is a dense SwiGLU. Save/load is a directory with `config.json` (HF layout, nested
-`text_config`) and `model.safetensors` with DeepSeek's attention weight names.
+MoE, mHC and engrams are not here yet: the FFN is a dense SwiGLU. Save/load is a directory with
+`config.json` (HF layout, nested `text_config`) and `model.safetensors` with DeepSeek's
+attention weight names.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +21,15 @@ from torch import Tensor, nn
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
+from dsv4cp.cp.group import gather_global
+from dsv4cp.executors import SERIAL, SERIAL_ONLY, Executor, LayerExecutors
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
-from dsv4cp.schedule import StreamPool, lanes_of
+from dsv4cp.schedule import lanes_of
 
 WEIGHTS_FILE = "model.safetensors"
+# (name, this rank's output rows of the layer, the forward's context): see `layer_hook`.
+LayerHook = Callable[[str, Tensor, ForwardContext], None]
 
 
 class SwiGLU(nn.Module):
@@ -55,14 +62,17 @@ class DecoderLayer(nn.Module):
         self.attn = DeepseekV41Attention(config, i, dtype=dtype, device=device)
         self.ffn = SwiGLU(d, config.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(self, h: Tensor, ctx: ForwardContext, executor: Executor = SERIAL) -> Tensor:
         with stage("attention", layer=self.attn.layer, timed=False):
-            h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), ctx)
+            h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), ctx, executor)
         with stage("ffn", layer=self.attn.layer):
             return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41Model(nn.Module):
+    """`layer_hook`, when set (by `tools.checking`), sees every layer's output rows; the runner
+    then runs eagerly, since a graph replay keeps no intermediate rows."""
+
     def __init__(
         self,
         config: DeepseekV41Config,
@@ -85,6 +95,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         self.norm = nn.Parameter(torch.empty(d, dtype=dtype, device=device), requires_grad=False)
         self.head = nn.Parameter(torch.empty(v, d, dtype=dtype, device=device), requires_grad=False)
+        self.layer_hook: LayerHook | None = None
         if seed is not None:
             self.init_random(seed)
 
@@ -158,7 +169,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-    ) -> DeepseekV41ForCausalLM:
+    ) -> DeepseekV41Model:
         from safetensors.torch import load_file
 
         config = DeepseekV41Config.from_hf(path)
@@ -166,27 +177,34 @@ class DeepseekV41ForCausalLM(nn.Module):
         model.load_state(load_file(os.path.join(path, WEIGHTS_FILE)))
         return model
 
-    def stream_pool(self) -> StreamPool:
-        """One side stream per lane of any layer's schedule (create once, before capture)."""
-        return StreamPool(lanes_of([layer.attn.schedule for layer in self.layers]), self.device)
+    def prepare_lanes(self) -> list[str]:
+        """The side lanes of every layer's prepare: one CUDA stream each (`StreamPool`)."""
+        return lanes_of([layer.attn.schedule() for layer in self.layers])
 
     # ------------------------------------------------------------------ forward
-    def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
-        ):
-            raise ValueError(
-                f"token id out of range [0, {self.config.vocab_size}): "
-                f"min {int(input_ids.min())}, max {int(input_ids.max())}"
-            )
-        return F.embedding(input_ids, self.embed)
+    def forward(
+        self, input_ids: Tensor, ctx: ForwardContext, executors: LayerExecutors = SERIAL_ONLY
+    ) -> Tensor:
+        """Global token ids [T] of the batch → global hidden rows [T, d] after the last layer
+        (before the final norm), on every rank. Ids are validated by the caller (the runner
+        before reserving slots, SGLang before scheduling)."""
+        h = self.embed_local(input_ids, ctx.local_ids)
+        h = self.forward_hidden(h, ctx, executors)
+        return gather_global(ctx.cp, ctx.layout, h, tag="final/hidden")
 
-    def forward_hidden(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+    def embed_local(self, input_ids: Tensor, local_ids: Tensor) -> Tensor:
+        """Embeddings of this rank's rows: global token `local_ids[i]`, token 0 on padding."""
+        ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
+        return F.embedding(ids, self.embed)
+
+    def forward_hidden(
+        self, h: Tensor, ctx: ForwardContext, executors: LayerExecutors = SERIAL_ONLY
+    ) -> Tensor:
         """Local rows through every decoder layer (no final norm)."""
         for layer in self.layers:
-            h = layer(h, ctx)
-            if ctx.record is not None:
-                ctx.record[f"layer{layer.attn.layer}"] = h
+            h = layer(h, ctx, executors.for_role(layer.attn.role))
+            if self.layer_hook is not None:
+                self.layer_hook(f"layer{layer.attn.layer}", h, ctx)
         return h
 
     def logits(self, h: Tensor) -> Tensor:

@@ -38,6 +38,13 @@ class MultistreamPolicy:
             raise ValueError("max_tokens_graph must be >= 0")
 
     @classmethod
+    def of(cls, multistream: bool | str) -> MultistreamPolicy:
+        """True/False force the executor on/off; a mode string goes through `from_env`."""
+        if isinstance(multistream, str):
+            return cls.from_env(multistream)
+        return cls(mode="on" if multistream else "off")
+
+    @classmethod
     def from_env(cls, mode: str | None = None, max_tokens: int | None = None) -> MultistreamPolicy:
         env_mode = os.environ.get("DSV4CP_MULTISTREAM")
         env_max = os.environ.get("DSV4CP_MULTISTREAM_MAX_TOKENS")

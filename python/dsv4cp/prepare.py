@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp import backend as K
+from dsv4cp.cp.group import gather_global
 from dsv4cp.ops import indexer_queries, indexer_weights, rms_norm
 from dsv4cp.schedule import Fork, Join, Node, PrepareState, Release, Schedule
 
@@ -34,6 +35,7 @@ def linear_fp32(x: Tensor, w: Tensor) -> Tensor:
 
 
 _MM_OUT_DTYPE = True
+LOGITS_BUDGET_BYTES = 256 << 20  # fp32 logits per row chunk of the MQA logits
 
 
 # ---------------------------------------------------------------------- node functions
@@ -77,11 +79,15 @@ def indexer_qw(attn: DeepseekV41Attention, st: PrepareState) -> None:
 
 
 def gather_kv(attn: DeepseekV41Attention, st: PrepareState) -> None:
-    st["kv_raw_g"] = st.ctx.gather(st["kv_raw"], f"layer{attn.layer}/kv_raw")
+    ctx = st.ctx
+    tag = f"layer{attn.layer}/kv_raw"
+    st["kv_raw_g"] = gather_global(ctx.cp, ctx.layout, st["kv_raw"], tag=tag)
 
 
 def gather_comp(attn: DeepseekV41Attention, st: PrepareState) -> None:
-    st["comp_kv_g"] = st.ctx.gather(st["comp_kv"], f"layer{attn.layer}/comp_kv")
+    ctx = st.ctx
+    tag = f"layer{attn.layer}/comp_kv"
+    st["comp_kv_g"] = gather_global(ctx.cp, ctx.layout, st["comp_kv"], tag=tag)
 
 
 def swa_store(attn: DeepseekV41Attention, st: PrepareState) -> None:
@@ -141,7 +147,7 @@ def compressor(attn: DeepseekV41Attention, st: PrepareState) -> None:
     index_cache = cache.index_k[attn.layer]
     index_cache[emit] = ikey.to(index_cache.dtype)
     ws = index_cache[ctx.meta.workspaces[r].slots]
-    ctx.index_k_ws[r] = ws
+    ctx.cross.index_k_ws[r] = ws
     st["comp_cache"] = cache.comp_cache(attn.layer)
     st["index_k_ws"] = ws
 
@@ -152,12 +158,12 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
     r = attn.role.ratio
     local = ctx.local
     ws_meta = ctx.meta.workspaces[r]
-    keys = ctx.index_k_ws[r]
+    keys = ctx.cross.index_k_ws[r]
     n_vis = local.n_visible(r)
     k_start = ctx.workspace_start(r)
     width = max(ws_meta.max_entries, 1)
     rows = local.num_rows
-    chunk = max(1, min(rows, ctx.logits_budget_bytes // (4 * width)))
+    chunk = max(1, min(rows, LOGITS_BUDGET_BYTES // (4 * width)))
     cfg = attn.config
     topk_parts, cand_parts = [], []
     for a in range(0, rows, chunk):
@@ -171,7 +177,7 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
             width=width,
         )
         if attn.role.candidate_consumer:
-            blocks = ctx.candidates[r][a:b]
+            blocks = ctx.cross.candidates[r][a:b]
             topk_parts.append(
                 K.topk_among_blocks(
                     logits, n_vis[a:b], blocks, cfg.candidate_block_size, cfg.index_topk
@@ -186,9 +192,9 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
                 )
             )
     topk = torch.cat(topk_parts)
-    ctx.topk[r] = topk
+    ctx.cross.topk[r] = topk
     if cand_parts:
-        ctx.candidates[r] = torch.cat(cand_parts)
+        ctx.cross.candidates[r] = torch.cat(cand_parts)
     st["topk"] = topk
 
 
@@ -197,8 +203,8 @@ def build_schedule(attn: DeepseekV41Attention, *, overlap_gathers: bool = True) 
     """The one description of a layer's prepare; executors in `schedule` run it.
 
     `overlap_gathers=False` forks the compute-only lanes after the gathers instead of before
-    them: used when a gather must be an eager graph break (FakeCPGroup under graphs), since a
-    break may not sit inside an open fork.
+    them: used when gathers are eager graph breaks (`graphs.runner.EagerBreakCPGroup`), since
+    a break may not sit inside an open fork.
     """
     role = attn.role
 

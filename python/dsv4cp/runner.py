@@ -1,7 +1,9 @@
-"""`PrefillRunner`: batch → CP shard → model → gather of the last hidden states → logits.
+"""`PrefillRunner`: allocation, graphs and logits around the model's one forward.
 
-Decode is an extend of one token per request. Every CP rank calls the runner with the same
-requests; caches are replicated, so each rank's runner owns a full cache.
+prefill: validate → reserve slots → metadata → `model.forward` (eager, or a captured bucket
+replayed) → logits of each request's last token → commit (or roll back). Decode is an extend of
+one token per request. Every CP rank calls the runner with the same requests; caches are
+replicated, so each rank's runner owns a full cache.
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ from dsv4cp.batch import BatchMetadata, PrefillBatch, RequestSlice, build_metada
 from dsv4cp.cache import KVCache, PagedAllocator, Reservation
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup
-from dsv4cp.cp.layout import CPLayout
-from dsv4cp.graphs.runner import BucketReport, GraphConfig, GraphRunner, StaticBatch, embed_static
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.executors import ExecutorFactory
+from dsv4cp.graphs.runner import BucketReport, GraphConfig, GraphRunner, StaticBatch
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.observe.timing import StageTimer, use_timer
-from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.schedule import StreamPool
 
 Requests = Mapping[object, Sequence[int]] | Sequence[tuple[object, Sequence[int]]]
 
@@ -32,47 +32,12 @@ class PrefillOutput:
     logits: Tensor  # fp32 [R, V]: the last new token of each request
     all_logits: Tensor | None  # fp32 [T, V] when asked for
     hidden: Tensor  # [T, d] global rows, before the final norm
-    layers: dict[str, Tensor] | None  # per-layer global hidden rows when recording
-    topk: dict[int, Tensor] | None  # last top-k per ratio, global rows, when recording
-
-
-def forward_tokens(
-    model: DeepseekV41ForCausalLM,
-    cache: KVCache,
-    meta: BatchMetadata,
-    input_ids: Tensor,
-    cp: CPGroup,
-    *,
-    policy: MultistreamPolicy,
-    streams: StreamPool | None,
-    record: bool = False,
-    lane_hook: object | None = None,
-) -> tuple[Tensor, ForwardContext]:
-    """One eager forward of a batch whose slots and `req_to_token` rows are already written:
-    CP shard → every layer → gather of the last hidden rows, global order [T, d]."""
-    layout = CPLayout.build(meta.tokens.num_rows, cp.cp_size).to(cache.device)
-    local_ids = layout.local_token_ids(cp.rank)
-    ctx = ForwardContext(
-        cache=cache,
-        meta=meta,
-        local=meta.tokens.take(local_ids),
-        cp=cp,
-        layout=layout,
-        multistream=policy.decide(layout.padded_rows, graphs=False, cuda=streams is not None),
-        streams=streams,
-        policy=policy,
-        record={} if record else None,
-        lane_hook=lane_hook,
-    )
-    ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
-    h = model.forward_hidden(model.embed_tokens(ids), ctx)
-    return ctx.gather(h, "final/hidden"), ctx
 
 
 class PrefillRunner:
     def __init__(
         self,
-        model: DeepseekV41ForCausalLM,
+        model: DeepseekV41Model,
         cache: KVCache | None = None,
         *,
         cp: CPGroup | None = None,
@@ -96,17 +61,10 @@ class PrefillRunner:
         self.alloc = PagedAllocator(self.cache)
         self.cp = cp or SingleCPGroup()
         # True/False force the executor; "auto" (or DSV4CP_MULTISTREAM) asks the policy per batch.
-        if isinstance(multistream, str):
-            self.policy = MultistreamPolicy.from_env(multistream)
-        else:
-            self.policy = MultistreamPolicy(mode="on" if multistream else "off")
-        self.streams: StreamPool | None = None
-        if self.policy.mode == "on" and model.device.type != "cuda":
-            raise ValueError("multistream needs a CUDA device (CPU runs the serial schedule)")
-        if self.policy.mode != "off" and model.device.type == "cuda":
-            self.streams = model.stream_pool()
+        self.executors = ExecutorFactory.create(
+            multistream, device=model.device, lanes=model.prepare_lanes()
+        )
         self.ratios = sorted({r for r in model.config.layer_ratios if r})
-        self.lane_hook = None  # tests: callable(lane) at the start of every lane (multistream)
         self.graph_runner: GraphRunner | None = None
         if graphs is True:
             graphs = GraphConfig()
@@ -160,9 +118,9 @@ class PrefillRunner:
         *,
         starts: Sequence[int | None] | None = None,
         return_all_logits: bool = False,
-        record: bool = False,
         timer: StageTimer | None = None,
     ) -> PrefillOutput:
+        """`timer` times every stage of an eager forward (`observe.timing.stage`)."""
         items = self._normalise(requests)
         starts = list(starts) if starts is not None else [None] * len(items)
         if len(starts) != len(items):
@@ -175,7 +133,8 @@ class PrefillRunner:
             for res in reservations:
                 self.alloc.write_table(res)
             with use_timer(timer):
-                out = self._forward(items, reservations, return_all_logits, record, timer is None)
+                eager = timer is not None or self.model.layer_hook is not None
+                out = self._forward(items, reservations, return_all_logits, eager)
         except BaseException:
             for res in reversed(reservations):
                 self.alloc.rollback(res)
@@ -189,8 +148,7 @@ class PrefillRunner:
         items: list[tuple[object, list[int]]],
         reservations: list[Reservation],
         return_all_logits: bool,
-        record: bool,
-        graphs_ok: bool,
+        eager: bool,
     ) -> PrefillOutput:
         model, cache = self.model, self.cache
         batch = PrefillBatch(
@@ -203,61 +161,41 @@ class PrefillRunner:
         meta = build_metadata(batch, cache.req_to_token, slots, self.ratios)
         input_ids = batch.input_ids(cache.device)
         with torch.inference_mode():
-            bg = None
-            if self.graph_runner is not None and not record and graphs_ok:
-                bg = self.graph_runner.select(meta)
-            layers = topk = None
-            if bg is not None:
-                hidden = self.graph_runner.replay(bg, meta, input_ids)
+            gr = self.graph_runner
+            bg = gr.select(meta) if gr is not None and not eager else None
+            if gr is not None and bg is not None:
+                hidden = gr.replay(bg, meta, input_ids)
             else:
-                hidden, layers, topk = self._eager(meta, input_ids, record)
+                hidden = self._eager(meta, input_ids)
             rows = batch.last_token_rows()
             logits = model.logits(hidden[rows])
             all_logits = model.logits(hidden) if return_all_logits else None
-        return PrefillOutput(logits, all_logits, hidden, layers, topk)
+        return PrefillOutput(logits, all_logits, hidden)
 
-    def _eager(
-        self, meta: BatchMetadata, input_ids: Tensor, record: bool
-    ) -> tuple[Tensor, dict[str, Tensor] | None, dict[int, Tensor] | None]:
-        hidden, ctx = forward_tokens(
-            self.model,
-            self.cache,
-            meta,
-            input_ids,
-            self.cp,
-            policy=self.policy,
-            streams=self.streams,
-            record=record,
-            lane_hook=self.lane_hook,
-        )
-        layers = topk = None
-        if record:
-            layers = {k: ctx.gather(v, f"record/{k}") for k, v in ctx.record.items()}
-            topk = {r: ctx.gather(t, f"record/topk{r}") for r, t in sorted(ctx.topk.items())}
-        return hidden, layers, topk
+    def _eager(self, meta: BatchMetadata, input_ids: Tensor) -> Tensor:
+        ctx = ForwardContext.for_rank(meta, self.cache, self.cp)
+        executors = self.executors.choose(ctx.local_rows, graphs=False)
+        return self.model.forward(input_ids, ctx, executors)
 
     # ------------------------------------------------------------------ graphs
     def _graph_body(self, static: StaticBatch) -> Tensor:
-        h, local = embed_static(self.model.embed, static)
-        ctx = ForwardContext(
-            cache=self.cache,
-            meta=static.meta,
-            local=local,
-            cp=self.cp,
-            layout=static.layout,
-            multistream=self.policy.decide(static.layout.padded_rows, graphs=True, cuda=True),
-            streams=self.streams,
-            policy=self.policy,
-            overlap_gathers=bool(getattr(self.cp, "capturable", False)),
+        """What a bucket's graph captures: the same forward on the bucket's static inputs."""
+        gr = self.graph_runner
+        if gr is None:
+            raise ValueError("_graph_body: no graph runner (capture_graphs makes one)")
+        ctx = ForwardContext.for_rank(
+            static.meta, self.cache, gr.cp, layout=static.layout, local_ids=static.local_ids
         )
-        h = self.model.forward_hidden(h, ctx)
-        return ctx.gather(h, "final/hidden")
+        executors = self.executors.choose(
+            ctx.local_rows, graphs=True, overlap_gathers=gr.overlap_gathers
+        )
+        return self.model.forward(static.ids, ctx, executors)
 
     def capture_graphs(self, config: GraphConfig) -> list[BucketReport]:
         """Capture every bucket (largest first, one pool); every CP rank calls this together."""
         if self.model.device.type != "cuda":
             raise ValueError("graphs need a CUDA device")
-        self.graph_runner = GraphRunner(config)
+        self.graph_runner = GraphRunner(config, self.cp)
         with torch.inference_mode():
             return self.graph_runner.capture(
                 self._graph_body,

@@ -2,10 +2,8 @@
 
 A `Schedule` is a list of steps in host issue order: `Node`s (work on one lane, with declared
 reads and writes), `Fork`s (lanes wait on the default lane), `Join`s (the default lane waits on
-lanes) and `Release`s (a buffer is dropped). One schedule, several executors:
-
-- `run_serial`: the nodes in issue order on the current stream (CPU, and the reference);
-- `run_multistream`: each lane on its own CUDA stream, forks and joins as stream waits.
+lanes) and `Release`s (a buffer is dropped). One schedule, several executors (`executors.py`:
+serial, and multistream with each lane on its own CUDA stream).
 
 `validate` rejects a schedule that reads a buffer before its writer is ordered before the
 reader, issues a collective off the default lane or while a side-chain lane is open, or releases
@@ -17,20 +15,11 @@ GEMM overlap the all-gathers.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-import torch
-
 DEFAULT = "default"
-_forks = threading.local()
-
-
-def open_fork_lanes() -> list[str]:
-    """Lanes the multistream executor has forked and not yet joined (this thread)."""
-    return sorted(getattr(_forks, "lanes", set()))
 
 
 @dataclass(frozen=True)
@@ -225,90 +214,6 @@ def _check_order(
             f"schedule {schedule.name!r}, step {i} ({node.name}): reads {name!r} written on lane "
             f"{p.lane!r} without a fork/join ordering them"
         )
-
-
-# ---------------------------------------------------------------------- executors
-def run_serial(schedule: Schedule, state: PrepareState, *, check: bool = False) -> PrepareState:
-    """Issue order on the current stream. `check` asserts each node wrote what it declared."""
-    for step in schedule.steps:
-        if isinstance(step, Node):
-            _run_node(step, state, check)
-        elif isinstance(step, Release):
-            for name in step.names:
-                state.pop(name, None)
-    return state
-
-
-def _run_node(node: Node, state: PrepareState, check: bool) -> None:
-    from dsv4cp.observe.timing import stage
-
-    with stage(node.name):
-        node.fn(state)
-    if check:
-        missing = [w for w in node.writes if w not in state]
-        if missing:
-            raise ScheduleError(f"node {node.name!r} did not write {missing}")
-
-
-class StreamPool:
-    """Side streams, created once (model construction), one per lane name."""
-
-    def __init__(self, lanes: Iterable[str], device: torch.device) -> None:
-        self.device = device
-        self.streams = {lane: torch.cuda.Stream(device=device) for lane in lanes if lane != DEFAULT}
-
-    def get(self, lane: str) -> torch.cuda.Stream:
-        if lane == DEFAULT:
-            return torch.cuda.current_stream(self.device)
-        try:
-            return self.streams[lane]
-        except KeyError:
-            raise ScheduleError(f"no stream was created for lane {lane!r}") from None
-
-
-def run_multistream(
-    schedule: Schedule,
-    state: PrepareState,
-    streams: StreamPool,
-    *,
-    before_lane_start: Callable[[str], None] | None = None,
-) -> PrepareState:
-    """Each lane on its own stream; forks and joins are stream waits (capturable in graphs).
-
-    `before_lane_start(lane)` runs right after a fork on each forked lane and on the default
-    lane (tests inject `torch.cuda._sleep` there to shake out missing dependencies).
-    """
-    main = torch.cuda.current_stream(streams.device)
-    open_lanes: set[str] = getattr(_forks, "lanes", set())
-    _forks.lanes = open_lanes
-    try:
-        for step in schedule.steps:
-            if isinstance(step, Fork):
-                for lane in step.lanes:
-                    open_lanes.add(lane)
-                    s = streams.get(lane)
-                    s.wait_stream(main)
-                    if before_lane_start is not None:
-                        with torch.cuda.stream(s):
-                            before_lane_start(lane)
-                if before_lane_start is not None:
-                    before_lane_start(DEFAULT)
-            elif isinstance(step, Join):
-                for lane in step.lanes:
-                    main.wait_stream(streams.get(lane))
-                    open_lanes.discard(lane)
-            elif isinstance(step, Release):
-                for name in step.names:
-                    state.pop(name, None)
-            elif step.lane == DEFAULT:
-                _run_node(step, state, False)
-            else:
-                with torch.cuda.stream(streams.get(step.lane)):
-                    _run_node(step, state, False)
-    finally:
-        for lane in schedule.lanes:
-            open_lanes.discard(lane)
-    return state
 
 
 def lanes_of(schedules: Sequence[Schedule]) -> list[str]:

@@ -104,11 +104,11 @@ def test_mismatched_batches_across_ranks_are_rejected() -> None:
 
 def _different_batches(group):  # noqa: ANN001
     from dsv4cp.config import DeepseekV41Config
-    from dsv4cp.model import DeepseekV41ForCausalLM
+    from dsv4cp.model import DeepseekV41Model
     from dsv4cp.runner import PrefillRunner
 
     runner = PrefillRunner(
-        DeepseekV41ForCausalLM(DeepseekV41Config.tiny()), cp=group, num_slots=256
+        DeepseekV41Model(DeepseekV41Config.tiny()), cp=group, num_slots=256
     )
     return runner.prefill({"a": [1, 2, 3 + group.rank]})
 

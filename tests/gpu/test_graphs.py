@@ -10,7 +10,7 @@ import torch
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.graphs.runner import GraphConfig
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 pytestmark = [
@@ -35,7 +35,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _run(group, multistream: bool):  # noqa: ANN001
     cfg = DeepseekV41Config.tiny()
-    model = DeepseekV41ForCausalLM(cfg, device="cuda", seed=2)
+    model = DeepseekV41Model(cfg, device="cuda", seed=2)
     gcfg = GraphConfig(buckets=(16, 64), max_requests=4, max_context=256)
     graphs = PrefillRunner(model, cp=group, multistream=multistream, num_slots=2048,
                            max_context=512, graphs=gcfg)

@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
+from dsv4cp.checking import recording
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 pytestmark = [
@@ -31,21 +32,25 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 def _run(group, multistream: bool, dtype_name: str, sleep: bool, reps: int):  # noqa: ANN001
     cfg = DeepseekV41Config.tiny()
     dtype = getattr(torch, dtype_name)
-    model = DeepseekV41ForCausalLM(cfg, dtype=dtype, device="cuda", seed=5)
+    model = DeepseekV41Model(cfg, dtype=dtype, device="cuda", seed=5)
     prompts = _prompts(cfg.vocab_size)
     outs = []
     for rep in range(reps):
         runner = PrefillRunner(model, cp=group, multistream=multistream, num_slots=1024)
         if sleep:
             rng = random.Random(1000 * rep + group.rank)
-            runner.lane_hook = lambda lane, rng=rng: torch.cuda._sleep(rng.randint(0, 200_000))
+            runner.executors = runner.executors.with_lane_hook(
+                lambda lane, rng=rng: torch.cuda._sleep(rng.randint(0, 200_000))
+            )
         pre = {k: p[: PREFIX[k]] for k, p in prompts.items() if PREFIX[k]}
         runner.prefill(pre)
-        out = runner.prefill(
-            {k: p[PREFIX[k] :] for k, p in prompts.items()}, return_all_logits=True, record=True
-        )
+        with recording(model) as recorder:
+            out = runner.prefill(
+                {k: p[PREFIX[k] :] for k, p in prompts.items()}, return_all_logits=True
+            )
+        layers, topk = recorder.gathered()
         caches = {k: v.clone() for k, v in runner.cache.state_dict_view().items()}
-        outs.append((out.all_logits, out.layers, out.topk, caches))
+        outs.append((out.all_logits, layers, topk, caches))
     torch.cuda.synchronize()
     return outs if group.rank == 0 else None
 
@@ -80,7 +85,7 @@ def test_multistream_with_random_sleeps_50_reps(cp: int) -> None:
 
 def test_memory_after_200_forwards_equals_after_10() -> None:
     cfg = DeepseekV41Config.tiny()
-    model = DeepseekV41ForCausalLM(cfg, dtype=torch.bfloat16, device="cuda", seed=5)
+    model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device="cuda", seed=5)
     runner = PrefillRunner(model, multistream=True, num_slots=4096, max_context=512)
     prompt = _prompts(cfg.vocab_size)["a"]
     mem = {}

@@ -10,7 +10,7 @@ from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.graphs.runner import GraphConfig, GraphRunner, StaticBatch
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 
@@ -27,7 +27,7 @@ def _meta(runner: PrefillRunner, prompts: dict[str, list[int]]):
 
 
 def _runner(seed: int = 0, cp=None) -> PrefillRunner:  # noqa: ANN001
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=seed)
+    model = DeepseekV41Model(DeepseekV41Config.tiny(), seed=seed)
     return PrefillRunner(model, cp=cp, num_slots=1024, max_context=256)
 
 
@@ -57,7 +57,7 @@ def test_refresh_pads_and_fits_reports_reasons() -> None:
 
 def test_select_falls_back_when_nothing_fits() -> None:
     r = _runner()
-    gr = GraphRunner(GraphConfig(buckets=(8, 32)))
+    gr = GraphRunner(GraphConfig(buckets=(8, 32)), r.cp)
     for b in (8, 32):
         from dsv4cp.graphs.runner import BucketGraph, BucketReport
 
@@ -75,11 +75,12 @@ def _bucket_vs_eager(group, bucket: int):  # noqa: ANN001
     ref_runner, pad_runner = _runner(1, group), _runner(1, group)
     with torch.inference_mode():
         meta, ids, res = _meta(ref_runner, prompts)
-        ref, _, _ = ref_runner._eager(meta, ids, False)
+        ref = ref_runner._eager(meta, ids)
         meta2, ids2, _ = _meta(pad_runner, prompts)
         st = StaticBatch(bucket, GraphConfig(buckets=(bucket,), max_context=256),
                          pad_runner.cache.req_to_token, pad_runner.ratios, group)
         st.refresh(meta2, ids2)
+        pad_runner.graph_runner = GraphRunner(GraphConfig(buckets=(bucket,)), group)
         got = pad_runner._graph_body(st)[: meta2.tokens.num_rows]
     caches = [(k, v.clone(), pad_runner.cache.state_dict_view()[k])
               for k, v in ref_runner.cache.state_dict_view().items()]
@@ -98,7 +99,7 @@ def test_padded_bucket_forward_equals_eager(cp: int) -> None:
 
 
 def test_graphs_need_cuda_and_accept_true() -> None:
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=0)
+    model = DeepseekV41Model(DeepseekV41Config.tiny(), seed=0)
     for graphs in (True, GraphConfig(buckets=(16,))):
         with pytest.raises(ValueError, match="graphs need a CUDA device"):
             PrefillRunner(model, num_slots=256, graphs=graphs)

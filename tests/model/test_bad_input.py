@@ -7,13 +7,13 @@ import torch
 
 from dsv4cp.cache import CacheFullError
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 
 @pytest.fixture()
 def runner() -> PrefillRunner:
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=0)
+    model = DeepseekV41Model(DeepseekV41Config.tiny(), seed=0)
     r = PrefillRunner(model, num_slots=128, max_context=64, max_requests=4, page_size=16)
     r.prefill({"a": list(range(10))})
     return r

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.model import DeepseekV41ForCausalLM
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model() -> DeepseekV41ForCausalLM:
-    return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=1)
+def model() -> DeepseekV41Model:
+    return DeepseekV41Model(DeepseekV41Config.tiny(), seed=1)
 
 
-def _runner(model: DeepseekV41ForCausalLM) -> PrefillRunner:
+def _runner(model: DeepseekV41Model) -> PrefillRunner:
     return PrefillRunner(model, num_slots=2048, max_context=512, max_requests=8)
 
 

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.model import WEIGHTS_FILE, DeepseekV41ForCausalLM
+from dsv4cp.model import WEIGHTS_FILE, DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
 
 def test_round_trip_gives_identical_logits(tmp_path: Path) -> None:
     cfg = DeepseekV41Config.tiny()
-    model = DeepseekV41ForCausalLM(cfg, seed=4)
+    model = DeepseekV41Model(cfg, seed=4)
     model.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["architectures"] == ["DeepseekV41ForCausalLM"] and "text_config" in raw
@@ -28,7 +28,7 @@ def test_round_trip_gives_identical_logits(tmp_path: Path) -> None:
         assert n in names, n
     assert "layers.3.attn.compressor.wgate.weight" not in names  # ratio 1: no gate
     assert "layers.5.attn.compressor.wkv.weight" not in names  # not a kv source
-    again = DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+    again = DeepseekV41Model.from_pretrained(tmp_path)
     prompt = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(0))
     a = PrefillRunner(model, num_slots=256).prefill({"p": prompt.tolist()}).logits
     b = PrefillRunner(again, num_slots=256).prefill({"p": prompt.tolist()}).logits
@@ -36,18 +36,18 @@ def test_round_trip_gives_identical_logits(tmp_path: Path) -> None:
 
 
 def test_mismatched_checkpoints_are_rejected(tmp_path: Path) -> None:
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), seed=0)
+    model = DeepseekV41Model(DeepseekV41Config.tiny(), seed=0)
     model.save_pretrained(tmp_path)
     tensors = load_file(tmp_path / WEIGHTS_FILE)
     del tensors["layers.2.attn.wq_b.weight"]
     tensors["layers.2.attn.bogus"] = torch.zeros(1)
     save_file(tensors, tmp_path / WEIGHTS_FILE)
     with pytest.raises(ValueError, match="missing.*wq_b.*unexpected.*bogus"):
-        DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+        DeepseekV41Model.from_pretrained(tmp_path)
 
 
 def test_quant_modes_not_there_yet_raise() -> None:
     with pytest.raises(NotImplementedError):
-        DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), quant="sglang_v4_layout")
+        DeepseekV41Model(DeepseekV41Config.tiny(), quant="sglang_v4_layout")
     with pytest.raises(ValueError, match="unknown quant mode"):
-        DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), quant="int3")
+        DeepseekV41Model(DeepseekV41Config.tiny(), quant="int3")

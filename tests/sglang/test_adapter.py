@@ -33,7 +33,7 @@ def test_tokenizer_covers_every_model_id() -> None:
 
 
 def test_export_tiny_round_trip(tmp_path: Path) -> None:
-    from dsv4cp.model import DeepseekV41ForCausalLM
+    from dsv4cp.model import DeepseekV41Model
 
     path = export_tiny(tmp_path / "ckpt", seed=5)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -42,8 +42,8 @@ def test_export_tiny_round_trip(tmp_path: Path) -> None:
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == MODEL_TYPE and cfg["architectures"] == [ARCHITECTURE]
     assert cfg["eos_token_id"] == 257
-    loaded = DeepseekV41ForCausalLM.from_pretrained(path)
-    fresh = DeepseekV41ForCausalLM(loaded.config, seed=5)
+    loaded = DeepseekV41Model.from_pretrained(path)
+    fresh = DeepseekV41Model(loaded.config, seed=5)
     for name, t in fresh.checkpoint_weights().items():
         assert torch.equal(loaded.checkpoint_weights()[name], t), name
     again = export_tiny(tmp_path / "again", seed=5)

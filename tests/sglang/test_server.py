@@ -147,9 +147,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path):
-    from dsv4cp.model import DeepseekV41ForCausalLM
+    from dsv4cp.model import DeepseekV41Model
 
-    model = DeepseekV41ForCausalLM.from_pretrained(checkpoint)
+    model = DeepseekV41Model.from_pretrained(checkpoint)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         from dsv4cp.runner import PrefillRunner

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dsv4cp.config import DeepseekV41Config
     from dsv4cp.graphs.runner import GraphConfig
-    from dsv4cp.model import DeepseekV41ForCausalLM
+    from dsv4cp.model import DeepseekV41Model
     from dsv4cp.observe.profiling import capture_trace
     from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
     from dsv4cp.runner import PrefillRunner
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     cfg = DeepseekV41Config.tiny()
-    model = DeepseekV41ForCausalLM(
+    model = DeepseekV41Model(
         cfg, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed
     )
     total = sum(args.lens)

@@ -7,10 +7,11 @@ result into the bridge buffer, replays segment 1, and so on. All segments share 
 (several graphs, e.g. one per token bucket, can share it too). Outside a capture `eager_break`
 just calls `fn`.
 
-Breaks exist only where host data or a non-capturable collective is needed (FakeCPGroup's
-cross-thread gathers); NCCL gathers and everything else — indexer and compressor included — are
-captured. A break inside an open fork/join region would silently lose side-stream work at replay,
-so `eager_break` raises there (invariant 4).
+Breaks exist only where a non-capturable collective is needed (FakeCPGroup's cross-thread
+gathers, put behind breaks by `graphs.runner.EagerBreakCPGroup`); NCCL gathers and everything
+else — indexer and compressor included — are captured. A break inside an open fork/join region
+would silently lose side-stream work at replay, so `eager_break` raises there
+(docs/invariants.md, invariant 4).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dsv4cp.schedule import open_fork_lanes
+from dsv4cp.executors import open_fork_lanes
 
 _state = threading.local()
 

@@ -5,8 +5,12 @@ at the bucket's capacity, the compressed workspaces at their capacity, the CP la
 bucket — and a `BreakableGraph` of the whole forward (embedding → every layer, indexer and
 compressor included → gather of the last hidden rows). Before a replay the live batch is copied
 into the static buffers in place: live rows first, padding rows invalid (dummy slot 0, position
-0); live lengths only feed metadata, capacities fix the shapes (invariant 5). Batches larger than
-the largest bucket or outside the context bounds run eagerly (logged).
+0); live lengths only feed metadata, capacities fix the shapes (docs/invariants.md, invariant 5).
+Batches larger than the largest bucket or outside the context bounds run eagerly (logged).
+
+The graph runner alone decides eager breaks: a CP group that is not `capturable` is wrapped in
+an `EagerBreakCPGroup` (each gather a break), and the layers then run their gathers-first
+schedule (`overlap_gathers`), since a break may not sit inside an open fork.
 """
 
 from __future__ import annotations
@@ -14,16 +18,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
-from dsv4cp.graphs.bcg import BreakableGraph
+from dsv4cp.graphs.bcg import BreakableGraph, eager_break
 
 log = logging.getLogger("dsv4cp.graphs")
 
@@ -117,6 +120,37 @@ class StaticBatch:
             cap.request_offset[k:].fill_(0)
 
 
+class EagerBreakCPGroup:
+    """A CP group that is not capturable, as a captured forward sees it: every all_gather is an
+    eager break (run outside the graph, at capture and at every replay). Outside a capture it is
+    the wrapped group."""
+
+    capturable = False
+
+    def __init__(self, inner: CPGroup) -> None:
+        self.inner = inner
+
+    @property
+    def cp_size(self) -> int:
+        return self.inner.cp_size
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
+        return eager_break(self._gather, x, tag)
+
+    def _gather(self, x: Tensor, tag: str) -> Tensor:
+        return self.inner.all_gather(x, tag=tag)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def __repr__(self) -> str:
+        return f"EagerBreakCPGroup({self.inner!r})"
+
+
 @dataclass
 class BucketGraph:
     static: StaticBatch
@@ -124,14 +158,20 @@ class BucketGraph:
     report: BucketReport
 
 
-@dataclass
 class GraphRunner:
-    """Captures `body(static) -> hidden [bucket, d]` for every bucket, largest first."""
+    """Captures `body(static) -> hidden [bucket, d]` for every bucket, largest first.
 
-    config: GraphConfig
-    graphs: dict[int, BucketGraph] = field(default_factory=dict)
-    fallbacks: int = 0
-    _logged: set[str] = field(default_factory=set)
+    `cp` is the group captured forwards gather through, and `overlap_gathers` whether their
+    layers may overlap the gathers with forked lanes: both follow from `capturable`, here only.
+    """
+
+    def __init__(self, config: GraphConfig, cp: CPGroup) -> None:
+        self.config = config
+        self.overlap_gathers = cp.capturable
+        self.cp: CPGroup = cp if cp.capturable else EagerBreakCPGroup(cp)
+        self.graphs: dict[int, BucketGraph] = {}
+        self.fallbacks = 0
+        self._logged: set[str] = set()
 
     def capture(
         self,
@@ -185,10 +225,3 @@ class GraphRunner:
         hidden = bg.graph.replay()
         return hidden[: meta.tokens.num_rows].clone()
 
-
-def embed_static(embed: Tensor, static: StaticBatch) -> tuple[Tensor, TokenMeta]:
-    """Local token ids and metadata rows of a bucket, computed inside the graph."""
-    local_ids = static.local_ids
-    local = static.tokens.take(local_ids)
-    ids = torch.where(local_ids >= 0, static.ids[local_ids.clamp(min=0)], 0)
-    return F.embedding(ids, embed), local

@@ -19,8 +19,9 @@ request) finds its partner: any `--page-size` works.
 CP: `DSV4CP_SGLANG_CP=tp` runs dsv4cp's own interleave CP over SGLang's TP group (SGLang gives
 every TP rank the same batch; caches are replicated), extend batches with >= cp tokens only.
 SGLang's own `--enable-prefill-cp` shards model inputs itself and is refused.
-Multistream prepare: `DSV4CP_MULTISTREAM=on|off|auto` (dsv4cp's `MultistreamPolicy`, CUDA only;
-batches here run eagerly, so "auto" keeps it off, as the runner does outside graphs).
+Multistream prepare: `DSV4CP_MULTISTREAM=on|off|auto` (dsv4cp's `MultistreamPolicy` through the
+same `ExecutorFactory` as the runner, CUDA only). Batches here run eagerly, so "auto" turns it on
+from `min_tokens_eager` (8192) local tokens, where eager multistream measured faster.
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ from torch import Tensor, nn
 from dsv4cp.batch import build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
+from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup
+from dsv4cp.executors import ExecutorFactory
 from dsv4cp.integrations.sglang.forward_batch import (
     SGLangBatch,
     from_forward_batch,
     sync_req_to_token,
 )
-from dsv4cp.model import DeepseekV41ForCausalLM as Dsv4cpModel
+from dsv4cp.model import DeepseekV41Model
 from dsv4cp.ops import rms_norm
 from dsv4cp.policy import MultistreamPolicy
-from dsv4cp.runner import forward_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ CP_ENV = "DSV4CP_SGLANG_CP"
 class _Head:
     """What SGLang's LogitsProcessor reads of an LM head: `.weight` [V, d]."""
 
-    def __init__(self, model: Dsv4cpModel) -> None:
+    def __init__(self, model: DeepseekV41Model) -> None:
         self._model = model
 
     @property
@@ -90,7 +92,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.config = config
         self.dsv4cp_config = DeepseekV41Config.from_hf(dict(raw))
         max_total_tokens, page_size = self._check_server_args()
-        self.dsv4cp = Dsv4cpModel(
+        self.dsv4cp = DeepseekV41Model(
             self.dsv4cp_config, dtype=torch.get_default_dtype(),
             device=torch.get_default_device(), seed=None,
         )
@@ -99,10 +101,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = _Head(self.dsv4cp)
         self.ratios = sorted({r for r in self.dsv4cp_config.layer_ratios if r})
         self._cp: CPGroup | None = None
-        self._streams: object | None = None
-        self.policy = MultistreamPolicy.from_env()
-        if self.policy.mode == "on" and self.dsv4cp.device.type != "cuda":
-            raise ValueError("dsv4cp: DSV4CP_MULTISTREAM=on needs CUDA (CPU runs serially)")
+        self.executors = ExecutorFactory.create(
+            MultistreamPolicy.from_env(), device=self.dsv4cp.device,
+            lanes=self.dsv4cp.prepare_lanes(),
+        )
         # Allocated now when the slot count is known, so that SGLang's memory profile (taken
         # after loading) counts it before sizing its own pool; else at the first forward.
         self.cache: KVCache | None = None
@@ -172,9 +174,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             cache.max_requests, cache.max_context = r2t.shape
             logger.info("dsv4cp: KV cache of %d slots, %d request rows x %d positions",
                         cache.num_slots, *r2t.shape)
-            cuda = cache.device.type == "cuda"
-            if self.policy.mode != "off" and cuda and self._streams is None:
-                self._streams = self.dsv4cp.stream_pool()
         return cache, r2t
 
     # ------------------------------------------------------------------ weights
@@ -189,11 +188,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Global rows [T, d] after the last layer (before the final norm)."""
         pb = batch.prefill_batch()
         meta = build_metadata(pb, cache.req_to_token, batch.slots.to(cache.device), self.ratios)
-        hidden, _ = forward_tokens(
-            self.dsv4cp, cache, meta, batch.input_ids.to(cache.device), cp,
-            policy=self.policy, streams=self._streams,
-        )
-        return hidden
+        ctx = ForwardContext.for_rank(meta, cache, cp)
+        executors = self.executors.choose(ctx.local_rows, graphs=False)
+        return self.dsv4cp.forward(batch.input_ids.to(cache.device), ctx, executors)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: object,
