@@ -35,14 +35,18 @@ class PrefillBatch:
     requests: tuple[RequestSlice, ...]
 
     def __post_init__(self) -> None:
+        """The one check of a batch's shape (the runner checks token ids against the vocab)."""
         if not self.requests:
             raise ValueError("PrefillBatch: empty batch (no requests)")
+        rids: set[object] = set()
+        rows: set[int] = set()
         for r in self.requests:
             if not r.token_ids:
                 raise ValueError(f"PrefillBatch: request {r.rid!r} has no new tokens")
-        rows = [r.req_row for r in self.requests]
-        if len(set(rows)) != len(rows):
-            raise ValueError("PrefillBatch: a request appears twice in one batch")
+            if r.rid in rids or r.req_row in rows:
+                raise ValueError(f"PrefillBatch: request {r.rid!r} appears twice in one batch")
+            rids.add(r.rid)
+            rows.add(r.req_row)
 
     @property
     def num_tokens(self) -> int:
@@ -158,9 +162,6 @@ class BatchMetadata:
     batch: PrefillBatch
     tokens: TokenMeta  # global rows, length T
     workspaces: dict[int, CompressedWorkspace] = field(default_factory=dict)
-
-    def local_view(self, index: Tensor) -> TokenMeta:
-        return self.tokens.take(index)
 
     def workspace_start(self, ratio: int, tokens: TokenMeta) -> Tensor:
         ws = self.workspaces[ratio]

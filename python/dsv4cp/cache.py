@@ -147,10 +147,6 @@ class PagedAllocator:
         self.requests: dict[object, RequestState] = {}
         self.free_rows = list(range(cache.max_requests - 1, -1, -1))
 
-    def length(self, rid: object) -> int:
-        st = self.requests.get(rid)
-        return 0 if st is None else st.length
-
     def reserve(self, rid: object, n_new: int, start: int | None = None) -> Reservation:
         st = self.requests.get(rid)
         cached = 0 if st is None else st.length

@@ -1,4 +1,4 @@
-"""`dsv4cp` command line: demo, check, profile, bench, export-tiny, accuracy.
+"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy.
 
 Each subcommand lives in `dsv4cp/commands/<name>_cmd.py` with `add_parser(subparsers)` and
 `run(args) -> int`; this file only dispatches.
@@ -27,12 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
+        mod = importlib.import_module(module)
         p = mod.add_parser(sub)
         p.set_defaults(_run=mod.run)
     return parser

@@ -72,38 +72,30 @@ class PrefillRunner:
             self.capture_graphs(graphs)
 
     # ------------------------------------------------------------------ prefill
-    def _normalise(self, requests: Requests) -> list[tuple[object, list[int]]]:
+    def _token_lists(self, requests: Requests) -> list[tuple[object, list[int]]]:
+        """(rid, token ids) per request; ids checked against the vocabulary here, on the host
+        (the batch's shape is checked by `PrefillBatch`)."""
         items = list(requests.items()) if isinstance(requests, Mapping) else list(requests)
-        if not items:
-            raise ValueError("prefill: empty batch (no requests)")
         out = []
         vocab = self.model.config.vocab_size
-        seen = set()
         for rid, toks in items:
-            if rid in seen:
-                raise ValueError(f"prefill: request {rid!r} appears twice in one batch")
-            seen.add(rid)
-            toks = [int(t) for t in toks]
-            if not toks:
-                raise ValueError(f"prefill: request {rid!r} has no new tokens")
-            bad = [t for t in toks if not 0 <= t < vocab]
+            ids = [int(t) for t in toks]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(
                     f"prefill: request {rid!r} has token id {bad[0]} outside [0, {vocab})"
                 )
-            out.append((rid, toks))
+            out.append((rid, ids))
         return out
 
-    def _check_same_batch(self, items: list[tuple[object, list[int]]], starts: list[int]) -> None:
+    def _check_same_batch(self, batch: PrefillBatch) -> None:
         if self.cp.cp_size == 1:
             return
         h = 0
-        for (rid, toks), s in zip(items, starts):
-            h = zlib.crc32(repr((rid, s, toks)).encode(), h)
+        for r in batch.requests:
+            h = zlib.crc32(repr((r.rid, r.start, r.token_ids)).encode(), h)
         mine = torch.tensor(
-            [[len(items), sum(len(t) for _, t in items), h]],
-            dtype=torch.long,
-            device=self.cache.device,
+            [[len(batch.requests), batch.num_tokens, h]], dtype=torch.long, device=self.cache.device
         )
         every = self.cp.all_gather(mine, tag="batch/metadata").view(-1, 3)
         if not bool((every == every[:1]).all()):
@@ -121,7 +113,7 @@ class PrefillRunner:
         timer: StageTimer | None = None,
     ) -> PrefillOutput:
         """`timer` times every stage of an eager forward (`observe.timing.stage`)."""
-        items = self._normalise(requests)
+        items = self._token_lists(requests)
         starts = list(starts) if starts is not None else [None] * len(items)
         if len(starts) != len(items):
             raise ValueError("prefill: starts must have one entry per request")
@@ -129,12 +121,18 @@ class PrefillRunner:
         try:
             for (rid, toks), s in zip(items, starts):
                 reservations.append(self.alloc.reserve(rid, len(toks), s))
-            self._check_same_batch(items, [r.start for r in reservations])
+            batch = PrefillBatch(
+                tuple(
+                    RequestSlice(rid, res.row, res.start, tuple(toks))
+                    for (rid, toks), res in zip(items, reservations)
+                )
+            )
+            self._check_same_batch(batch)
             for res in reservations:
                 self.alloc.write_table(res)
             with use_timer(timer):
                 eager = timer is not None or self.model.layer_hook is not None
-                out = self._forward(items, reservations, return_all_logits, eager)
+                out = self._forward(batch, reservations, return_all_logits, eager)
         except BaseException:
             for res in reversed(reservations):
                 self.alloc.rollback(res)
@@ -145,18 +143,12 @@ class PrefillRunner:
 
     def _forward(
         self,
-        items: list[tuple[object, list[int]]],
+        batch: PrefillBatch,
         reservations: list[Reservation],
         return_all_logits: bool,
         eager: bool,
     ) -> PrefillOutput:
         model, cache = self.model, self.cache
-        batch = PrefillBatch(
-            tuple(
-                RequestSlice(rid, res.row, res.start, tuple(toks))
-                for (rid, toks), res in zip(items, reservations)
-            )
-        )
         slots = [s for res in reservations for s in res.slots]
         meta = build_metadata(batch, cache.req_to_token, slots, self.ratios)
         input_ids = batch.input_ids(cache.device)

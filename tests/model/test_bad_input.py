@@ -60,6 +60,12 @@ CASES = [
         "pages",
     ),
     (
+        "a request twice",
+        lambda r: r.prefill([("b", [1, 2]), ("b", [3])]),
+        ValueError,
+        "'b' appears twice",
+    ),
+    (
         "one bad request poisons the batch",
         lambda r: r.prefill({"b": [1, 2], "c": [999]}),
         ValueError,

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, int_list
+from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dsv4cp check: {e}", file=sys.stderr)
         return 2
-    if (args.multistream or args.graphs) and args.device != "cuda":
-        print("dsv4cp check: --multistream and --graphs need --device cuda", file=sys.stderr)
+    if not cuda_only_flags_ok(args, "check"):
         return 2
     backend = cp_backend(args)
     log = sys.stderr if args.json else sys.stdout

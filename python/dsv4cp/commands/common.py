@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -57,3 +58,11 @@ def cp_backend(args: argparse.Namespace) -> str:
     if args.cp_backend:
         return args.cp_backend
     return "nccl" if args.device == "cuda" else "gloo"
+
+
+def cuda_only_flags_ok(args: argparse.Namespace, command: str) -> bool:
+    """--multistream and --graphs need --device cuda; prints why and returns False otherwise."""
+    if (args.multistream or args.graphs) and args.device != "cuda":
+        print(f"dsv4cp {command}: --multistream and --graphs need --device cuda", file=sys.stderr)
+        return False
+    return True

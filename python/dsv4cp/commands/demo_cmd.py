@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, int_list
+from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4cp demo: {e}", file=sys.stderr)
         return 2
     backend = cp_backend(args)
-    if (args.multistream or args.graphs) and args.device != "cuda":
-        print("dsv4cp demo: --multistream and --graphs need --device cuda", file=sys.stderr)
+    if not cuda_only_flags_ok(args, "demo"):
         return 2
     if args.device == "cpu":
         # The CP ranks get cpu_count // cp threads each; give the CP=1 run the same, so the two

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from dsv4cp.commands.common import int_list
+from dsv4cp.commands.common import cuda_only_flags_ok, int_list
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
     from dsv4cp.runner import PrefillRunner
 
-    if (args.multistream or args.graphs) and args.device != "cuda":
-        print("dsv4cp profile: --multistream and --graphs need --device cuda", file=sys.stderr)
+    if not cuda_only_flags_ok(args, "profile"):
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("dsv4cp profile: no CUDA device", file=sys.stderr)
