@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels beside their torch twins (dsv4cp.ops) and the peers on one GPU.
 
-    PYTHONPATH=python python benchmarks/kernels.py --out out/kernels.json [--sweep] [--only mqa]
+    PYTHONPATH=python python -m benchmarks.kernels --out out/kernels.json [--sweep] [--only mqa]
 
 Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention
 with sink; FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA
@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from dsv4cp import benchutil, ops  # noqa: E402
+from benchmarks import benchutil  # noqa: E402
+from dsv4cp import ops  # noqa: E402
 from dsv4cp.kernels.compressor import compress_store, index_key  # noqa: E402
 from dsv4cp.kernels.dispatch import mqa_topk  # noqa: E402
 from dsv4cp.kernels.mqa_logits import mqa_logits as mqa_kernel  # noqa: E402

@@ -10,7 +10,8 @@ all-gathers return its own shard tiled N times — right shapes, wrong data — 
 rank 0's compute for its 1/N of the rows against the full global context, without communication
 (there is one GPU). One request, prefix 0, local tokens = global tokens / N.
 
-    python benchmarks/prefill.py --local-tokens 512,2048,8192 --cp 1,2,4 --out out/prefill.json
+    PYTHONPATH=python python -m benchmarks.prefill --local-tokens 512,2048,8192 --cp 1,2,4 \
+        --out out/prefill.json
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 
 import torch
 
-from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, write_json
+from benchmarks.benchutil import Table, device_info, time_cuda, write_json
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41Model
@@ -57,7 +58,7 @@ def bench_config() -> DeepseekV41Config:
 
 def build_model(cfg: DeepseekV41Config) -> DeepseekV41Model:
     model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device="cuda", seed=None)
-    fill_random_(model.checkpoint_weights())
+    model.init_random(0, device="cuda")  # a CUDA generator: the CPU one is slow at Flash dims
     return model
 
 

@@ -1,6 +1,7 @@
 """Where the time of one prefill goes: the top CUDA kernels of the `prefill.py` model.
 
-    python benchmarks/prefill_profile.py --tokens 2048 --out out/prefill_profile.txt
+    PYTHONPATH=python python -m benchmarks.prefill_profile --tokens 2048 \
+        --out out/prefill_profile.txt
 """
 
 from __future__ import annotations

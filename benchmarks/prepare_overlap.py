@@ -6,7 +6,8 @@ as a captured CUDA graph replay, the overlap metric (fraction of the prepare win
 streams run kernels, from a torch.profiler trace of graph replays) and the ratios. CP = 1 (one
 GPU): the gathers are no-ops here; docs/performance.md says what that leaves out.
 
-    python benchmarks/prepare_overlap.py --tokens 512,1024,2048,4096,8192 --out out/prep.json
+    PYTHONPATH=python python -m benchmarks.prepare_overlap --tokens 512,1024,2048,4096,8192 \
+        --out out/prep.json
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import sys
 
 import torch
 
+from benchmarks.benchutil import Table, device_info, time_cuda, time_graph, write_json
 from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
-from dsv4cp.benchutil import Table, device_info, fill_random_, time_cuda, time_graph, write_json
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.executors import SERIAL, Executor, ExecutorFactory, MultistreamExecutor, StreamPool
+from dsv4cp.model import init_random_
 from dsv4cp.observe.profiling import capture_trace
 from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
 from dsv4cp.policy import MultistreamPolicy
@@ -35,9 +37,10 @@ LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source
 
 def build_layers(cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype):
     layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device="cuda") for i in ids}
-    # One generator across the layers, in layer order (as the benchmark always drew them).
-    fill_random_({f"{i}.{n}": t for i, a in layers.items()
-                  for n, t in a.checkpoint_weights().items()})
+    # One CUDA generator across the layers, by checkpoint name (the model's own init).
+    weights = {f"layers.{i}.attn.{n}": t for i, a in layers.items()
+               for n, t in a.checkpoint_weights().items()}
+    init_random_(weights, cfg, 0, device="cuda")
     return layers
 
 

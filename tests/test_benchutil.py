@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dsv4cp.benchutil import (
+from benchmarks.benchutil import (
     Table,
     device_info,
     gbps,

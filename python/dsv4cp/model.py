@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,35 @@ from dsv4cp.schedule import lanes_of
 WEIGHTS_FILE = "model.safetensors"
 # (name, this rank's output rows of the layer, the forward's context): see `layer_hook`.
 LayerHook = Callable[[str, Tensor, ForwardContext], None]
+
+
+@torch.no_grad()
+def init_random_(
+    weights: Mapping[str, Tensor],
+    config: DeepseekV41Config,
+    seed: int,
+    *,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Fill checkpoint-named weights in place, in name order, from one generator on `device`:
+    the CPU (default) gives every device the same values; "cuda" is fast at Flash dims (the
+    benchmarks). Norms 1 + N(0, 0.01), embedding and sinks N(0, 1), matrices N(0, 1/fan_in).
+
+    Index head 2m+1's query projection is the negative of head 2m's, so at least one head of
+    each pair is active and index scores have no exact-zero ties (attention-math erratum 2).
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, t in sorted(weights.items()):
+        val = torch.randn(t.shape, generator=g, device=device)
+        if name.endswith("norm.weight"):
+            val = 1.0 + 0.1 * val
+        elif not (name.endswith("attn_sink") or name == "embed.weight"):
+            val = val / math.sqrt(t.shape[-1])
+        if name.endswith("indexer.wq_b.weight"):
+            h, dim = config.index_n_heads, config.index_head_dim
+            v = val.view(h, dim, -1)
+            v[1::2] = -v[0::2][: h // 2]
+        t.copy_(val.to(t.dtype))
 
 
 class SwiGLU(nn.Module):
@@ -111,29 +140,9 @@ class DeepseekV41Model(nn.Module):
                 out[f"layers.{i}.attn.{n}"] = t
         return out
 
-    @torch.no_grad()
-    def init_random(self, seed: int) -> None:
-        """Deterministic random weights (CPU generator, so every device gets the same values).
-
-        Index head 2m+1's query projection is the negative of head 2m's, so at least one head of
-        each pair is active and index scores have no exact-zero ties (attention-math erratum 2).
-        """
-        g = torch.Generator().manual_seed(seed)
-        cfg = self.config
-        for name, t in sorted(self.checkpoint_weights().items()):
-            if name.endswith("norm.weight"):
-                val = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
-            elif name.endswith("attn_sink"):
-                val = torch.randn(t.shape, generator=g)
-            elif name == "embed.weight":
-                val = torch.randn(t.shape, generator=g)
-            else:
-                val = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
-            if name.endswith("indexer.wq_b.weight"):
-                h, dim = cfg.index_n_heads, cfg.index_head_dim
-                v = val.view(h, dim, -1)
-                v[1::2] = -v[0::2][: h // 2]
-            t.copy_(val.to(t.dtype))
+    def init_random(self, seed: int, *, device: torch.device | str = "cpu") -> None:
+        """Deterministic random weights (`init_random_`)."""
+        init_random_(self.checkpoint_weights(), self.config, seed, device=device)
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         from safetensors.torch import save_file

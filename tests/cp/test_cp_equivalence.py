@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dsv4cp.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
 
 TOL = 1e-5
 

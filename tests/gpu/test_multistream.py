@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from dsv4cp.checking import recording
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
+from dsv4cp.tools.checking import recording
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4cp.export_tiny import BOS, EOS, PAD, build_tokenizer, export_tiny
 from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
 from dsv4cp.integrations.sglang.forward_batch import from_forward_batch, sync_req_to_token
+from dsv4cp.tools.export_tiny import BOS, EOS, PAD, build_tokenizer, export_tiny
 
 
 def test_tokenizer_covers_every_model_id() -> None:

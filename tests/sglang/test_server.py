@@ -130,7 +130,7 @@ class Server:
 # ---------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dsv4cp.export_tiny import export_tiny
+    from dsv4cp.tools.export_tiny import export_tiny
 
     return export_tiny(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
 
@@ -177,7 +177,7 @@ def _greedy(server: Server, prompt: list[int] | str, n: int) -> dict:
 
 # ---------------------------------------------------------------------------------- tests
 def test_greedy_matches_runner(server: Server, checkpoint: Path, reference) -> None:
-    from dsv4cp.accuracy import load_tokenizer
+    from dsv4cp.tools.accuracy import load_tokenizer
 
     text = "Hello from dsv4cp"
     long = _ids(150, 1)  # > CHUNK: chunked prefill

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.accuracy import run_accuracy
+    from dsv4cp.tools.accuracy import run_accuracy
 
     report = run_accuracy(
         args.base_url, args.model_path, max_new_tokens=args.max_new_tokens,

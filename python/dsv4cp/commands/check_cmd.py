@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
 
     try:
         base = Scenario(

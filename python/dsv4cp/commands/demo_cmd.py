@@ -35,9 +35,9 @@ def _stage_table(rows: list[tuple[str, float, int]], title: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
     from dsv4cp.config import DeepseekV41Config
     from dsv4cp.observe.timing import StageTimer
+    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
 
     cfg = DeepseekV41Config.tiny()
     try:

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.export_tiny import export_tiny
+    from dsv4cp.tools.export_tiny import export_tiny
 
     path = export_tiny(args.dir, seed=args.seed)
     print(f"wrote {path}")

@@ -1,4 +1,6 @@
-"""Helpers shared by the scripts under benchmarks/: device facts, timers, a text table, JSON output.
+"""Helpers shared by the scripts under benchmarks/ (run them from the repository root as
+`python -m benchmarks.<name>`): device facts, timers, a text table, JSON output.
+(Random benchmark weights: `DeepseekV41Model.init_random(seed, device="cuda")`.)
 
 Timers return a stats dict in milliseconds: `median_ms`, `mean_ms`, `min_ms`, `max_ms`, `std_ms`,
 `p10_ms`, `p90_ms`, `iters`, `timer`. On CUDA each iteration is timed by its own pair of CUDA events
@@ -162,6 +164,15 @@ def time_cuda(
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    times = _event_times(fn, iters, flush)
+    return {**summarize(times), "timer": "cuda_event", "device": "cuda", "flush_l2": flush_l2}
+
+
+def _event_times(
+    fn: Callable[[], object], iters: int, flush: Callable[[], None] | None
+) -> list[float]:
+    """ms of each of `iters` calls, one CUDA event pair each on the current stream (the L2
+    flush, when given, runs before the pair)."""
     pairs = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(iters)
@@ -173,8 +184,7 @@ def time_cuda(
         fn()
         end.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in pairs]
-    return {**summarize(times), "timer": "cuda_event", "device": "cuda", "flush_l2": flush_l2}
+    return [s.elapsed_time(e) for s, e in pairs]
 
 
 def time_graph(
@@ -210,20 +220,13 @@ def time_graph(
     try:
         flush = _L2Flusher() if flush_l2 else None
         graph.replay()  # first replay uploads the graph; keep it out of the timings
-        torch.cuda.synchronize()
-        pairs = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(iters)
-        ]
-        for start, end in pairs:
-            if flush is not None:
-                flush()
-            start.record()
+
+        def replays() -> None:
             for _ in range(replays_per_iter):
                 graph.replay()
-            end.record()
+
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) / replays_per_iter for s, e in pairs]
+        times = [t / replays_per_iter for t in _event_times(replays, iters, flush)]
     finally:
         graph.reset()
     return {
@@ -456,19 +459,3 @@ __all__ = [
     "write_json",
 ]
 
-
-# ----------------------------------------------------------------------------- weights
-
-
-@torch.no_grad()
-def fill_random_(weights: dict[str, torch.Tensor], seed: int = 0) -> None:
-    """Random benchmark weights on the GPU (the model's seeded CPU init is slow at Flash dims):
-    norms 1, embedding and sinks N(0, 1), matrices N(0, 1/fan_in), from one CUDA generator."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name, t in weights.items():
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
-        elif name == "embed.weight" or name.endswith("attn_sink"):
-            t.normal_(generator=g)
-        else:
-            t.copy_(torch.randn(t.shape, generator=g, device="cuda") / t.shape[-1] ** 0.5)
