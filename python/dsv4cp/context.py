@@ -10,10 +10,10 @@ from torch import Tensor
 from dsv4cp.batch import BatchMetadata, TokenMeta
 from dsv4cp.bcg import eager_break
 from dsv4cp.cache import KVCache
-from dsv4cp.config import LayerRole
 from dsv4cp.cp.comm import CPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.policy import MultistreamPolicy
+from dsv4cp.roles import LayerRole
 from dsv4cp.timing import StageTimer
 
 

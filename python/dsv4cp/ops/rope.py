@@ -7,18 +7,11 @@ max_position_embeddings rows.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_max_position: int
-    beta_fast: float
-    beta_slow: float
+from dsv4cp.rope_scaling import YarnScaling
 
 
 def _check_rope_dim(rope_dim: int) -> None:
