@@ -25,14 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from benchmarks import benchutil  # noqa: E402
-from dsv4cp import ops  # noqa: E402
+from dsv4cp import ops, routing  # noqa: E402
+from dsv4cp.kernels.attention import attention_flops  # noqa: E402
+from dsv4cp.kernels.attention import launch_sparse_attention as attn_kernel  # noqa: E402
 from dsv4cp.kernels.compressor import compress_store, index_key  # noqa: E402
-from dsv4cp.kernels.dispatch import mqa_topk  # noqa: E402
-from dsv4cp.kernels.mqa_logits import mqa_logits as mqa_kernel  # noqa: E402
-from dsv4cp.kernels.sparse_attention import attention_flops  # noqa: E402
-from dsv4cp.kernels.sparse_attention import sparse_attention as attn_kernel  # noqa: E402
-from dsv4cp.kernels.swa_store import norm_rope_rows, store_swa_k  # noqa: E402
-from dsv4cp.kernels.topk import topk_indices as topk_kernel  # noqa: E402
+from dsv4cp.kernels.indexer_logits import launch_mqa_logits as mqa_kernel  # noqa: E402
+from dsv4cp.kernels.norm_rope import norm_rope_rows, store_swa_k  # noqa: E402
+from dsv4cp.kernels.topk import launch_topk as topk_kernel  # noqa: E402
 from dsv4cp.ops.rope import YarnScaling  # noqa: E402
 
 NOMINAL_TFLOPS = 790.0
@@ -47,6 +46,20 @@ CEIL = {"tflops": NOMINAL_TFLOPS, "gbps": NOMINAL_GBPS}
 DEV = "cuda"
 SWEEP = False
 SMALL = False  # --smoke: tiny shapes on the CPU interpreter, to check this script itself
+
+
+def mqa_topk(q, w, k, n_visible, k_top: int, *, max_logits_bytes: int) -> torch.Tensor:
+    """topk_indices(mqa_logits(...)) in row chunks whose fp32 logits fit max_logits_bytes (rows
+    are independent, so chunking does not change the result): the layer's logits → top-k step
+    without its candidate blocks."""
+    t, w_ = q.shape[0], k.shape[0]
+    rows = max(1, min(t, max_logits_bytes // max(1, 4 * w_)))
+    out = torch.empty((t, k_top), dtype=torch.int32, device=q.device)
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        logits = routing.mqa_logits(q[a:b], w[a:b], k, n_visible[a:b])
+        out[a:b] = routing.topk_indices(logits, n_visible[a:b], k_top)
+    return out
 
 
 def _pick(real, small):
@@ -151,7 +164,7 @@ def bench_mqa(sweep: bool) -> None:
     k_long = torch.randn(n_long, d, device=DEV).bfloat16()
     nv_long = torch.arange(t, device=DEV) + (n_long - t) + 1
     budget = 256 << 20
-    _row("mqa+topk", "kernels.mqa_topk (256 MiB chunks)", f"T={t} N={n_long} k=512", "bf16",
+    _row("mqa+topk", "mqa_topk (256 MiB chunks)", f"T={t} N={n_long} k=512", "bf16",
          _ms(lambda: mqa_topk(q, w, k_long, nv_long, _pick(512, 16), max_logits_bytes=budget), 5),
          flops=2.0 * h * d * nv_long.sum().item(), flops_counted="visible (logits only)")
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dsv4cp.config import DeepseekV41Config, LayerRole
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.roles import LayerRole
 
 __all__ = ["DeepseekV41Config", "LayerRole", "__version__"]
 __version__ = "0.1.0"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dsv4cp import backend as K
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.observe.timing import stage
-from dsv4cp.ops import grouped_output
 from dsv4cp.prepare import build_schedule
+from dsv4cp.routing import grouped_output, rope_tail_, sparse_attention
 from dsv4cp.schedule import PrepareState, Schedule
 
 
@@ -122,7 +121,7 @@ class DeepseekV41Attention(nn.Module):
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
         local = ctx.local
         idx = self.sparse_indices(ctx)
-        o = K.sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
-        o = K.rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
+        o = sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
+        o = rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
         # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).
         return o * local.valid[:, None, None].to(o.dtype)

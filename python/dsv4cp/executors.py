@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4cp.config import LayerRole
 from dsv4cp.observe.timing import stage
 from dsv4cp.policy import MultistreamPolicy
+from dsv4cp.roles import LayerRole
 from dsv4cp.schedule import (
     DEFAULT,
     Fork,

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from dsv4cp.config import LayerRole
+from dsv4cp.roles import LayerRole
 
 log = logging.getLogger("dsv4cp.policy")
 

@@ -12,29 +12,30 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
-from dsv4cp import backend as K
 from dsv4cp.cp.group import gather_global
-from dsv4cp.ops import indexer_queries, indexer_weights, rms_norm
+from dsv4cp.routing import (
+    candidate_blocks,
+    compressed_key,
+    compressed_latent,
+    index_key,
+    indexer_queries,
+    indexer_weights,
+    linear_fp32,
+    mqa_logits,
+    pair_pool,
+    rms_norm,
+    rope_tail_,
+    store_swa_k,
+    topk_among_blocks,
+    topk_indices,
+)
 from dsv4cp.schedule import Fork, Join, Node, PrepareState, Release, Schedule
 
 if TYPE_CHECKING:
     from dsv4cp.attention import DeepseekV41Attention
 
 
-def linear_fp32(x: Tensor, w: Tensor) -> Tensor:
-    """x · wᵀ with an fp32 result from bf16/fp32 operands (SGLang's linear_bf16_fp32)."""
-    global _MM_OUT_DTYPE
-    if x.is_cuda and x.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
-        try:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # torch without bf16 → fp32 `mm(out_dtype=)`
-            _MM_OUT_DTYPE = False
-    return x.float() @ w.float().t()
-
-
-_MM_OUT_DTYPE = True
 LOGITS_BUDGET_BYTES = 256 << 20  # fp32 logits per row chunk of the MQA logits
 
 
@@ -61,7 +62,7 @@ def q_norm(attn: DeepseekV41Attention, st: PrepareState) -> None:
 def q_chain(attn: DeepseekV41Attention, st: PrepareState) -> None:
     local = st.ctx.local
     q = F.linear(st["q_lora"], attn.wq_b).view(-1, attn.n_heads, attn.head_dim)
-    st["q"] = K.rope_tail_(q, local.positions, attn.rope_dim, attn.theta, attn.yarn)
+    st["q"] = rope_tail_(q, local.positions, attn.rope_dim, attn.theta, attn.yarn)
 
 
 def indexer_qw(attn: DeepseekV41Attention, st: PrepareState) -> None:
@@ -94,7 +95,7 @@ def swa_store(attn: DeepseekV41Attention, st: PrepareState) -> None:
     ctx = st.ctx
     tok = ctx.meta.tokens
     cache = ctx.cache.swa_cache(attn.layer)
-    K.store_swa_k(
+    store_swa_k(
         st["kv_raw_g"],
         tok.positions,
         tok.slots,
@@ -123,18 +124,18 @@ def compressor(attn: DeepseekV41Attention, st: PrepareState) -> None:
         prev_gate = torch.cat([gate[:1], gate[:-1]])
         partner_kv = torch.where(from_state, cache.pair_kv[attn.layer][read], prev_kv)
         partner_gate = torch.where(from_state, cache.pair_gate[attn.layer][read], prev_gate)
-        pooled = K.pair_pool(kv, gate, partner_kv, partner_gate)
+        pooled = pair_pool(kv, gate, partner_kv, partner_gate)
         write = tok.pair_state_write_slots()
         cache.pair_kv[attn.layer][write] = kv
         cache.pair_gate[attn.layer][write] = gate
     else:
         pooled = g
-    latent = K.compressed_latent(pooled, attn.comp_norm, attn.eps, attn.dtype)
+    latent = compressed_latent(pooled, attn.comp_norm, attn.eps, attn.dtype)
     entry_pos = tok.entry_positions(r)
     emit = tok.emit_slots(r)
-    ckey = K.compressed_key(latent, entry_pos, attn.rope_dim, attn.theta, attn.yarn)
+    ckey = compressed_key(latent, entry_pos, attn.rope_dim, attn.theta, attn.yarn)
     cache.comp_cache(attn.layer)[emit] = ckey.to(cache.dtype)
-    ikey = K.index_key(
+    ikey = index_key(
         latent,
         attn.idx_wk,
         attn.idx_k_norm,
@@ -168,7 +169,7 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
     topk_parts, cand_parts = [], []
     for a in range(0, rows, chunk):
         b = min(rows, a + chunk)
-        logits = K.mqa_logits(
+        logits = mqa_logits(
             st["idx_q"][a:b],
             st["idx_w"][a:b],
             keys,
@@ -179,15 +180,15 @@ def logits_topk(attn: DeepseekV41Attention, st: PrepareState) -> None:
         if attn.role.candidate_consumer:
             blocks = ctx.cross.candidates[r][a:b]
             topk_parts.append(
-                K.topk_among_blocks(
+                topk_among_blocks(
                     logits, n_vis[a:b], blocks, cfg.candidate_block_size, cfg.index_topk
                 )
             )
         else:
-            topk_parts.append(K.topk_indices(logits, n_vis[a:b], cfg.index_topk))
+            topk_parts.append(topk_indices(logits, n_vis[a:b], cfg.index_topk))
         if attn.role.candidate_source:
             cand_parts.append(
-                K.candidate_blocks(
+                candidate_blocks(
                     logits, n_vis[a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks
                 )
             )

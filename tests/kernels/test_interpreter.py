@@ -77,6 +77,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
     import torch
 
     from dsv4cp import ops
+    from dsv4cp.kernels.attention import launch_sparse_attention, sparse_attention
     from dsv4cp.kernels.compressor import (
         compress_store,
         compressed_key,
@@ -84,10 +85,9 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         index_key,
         pair_pool,
     )
-    from dsv4cp.kernels.mqa_logits import mqa_logits
-    from dsv4cp.kernels.sparse_attention import sparse_attention
-    from dsv4cp.kernels.swa_store import store_swa_k, swa_key
-    from dsv4cp.kernels.topk import topk_indices
+    from dsv4cp.kernels.indexer_logits import launch_mqa_logits
+    from dsv4cp.kernels.norm_rope import store_swa_k, swa_key
+    from dsv4cp.kernels.topk import launch_topk, topk_indices
     from dsv4cp.ops.rope import YarnScaling
 
     yarn = YarnScaling(16.0, 65536, 32.0, 1.0)
@@ -131,7 +131,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         q, w, k = torch.randn(t, h, d), torch.randn(t, h), torch.randn(n, d)
         nv = torch.randint(0, n + 1, (t,))
         nv[:2] = torch.tensor([n, 0])
-        out = mqa_logits(q, w, k, nv, config=(16, 32, 4, 1))
+        out = launch_mqa_logits(q, w, k, nv, config=(16, 32, 4, 1))
         assert rel(out, logits64(q, w, k, nv)) < 1e-5
         assert rel(out, ops.mqa_logits(q, w, k, nv)) < 1e-5
 
@@ -141,7 +141,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         q = torch.randn(t, h, d).bfloat16()
         w, k = torch.randn(t, h), torch.randn(n, d).bfloat16()
         nv = torch.randint(0, n + 1, (t,))
-        out = mqa_logits(q, w, k, nv, width=80, config=(16, 32, 4, 1))
+        out = launch_mqa_logits(q, w, k, nv, width=80, config=(16, 32, 4, 1))
         assert rel(out, ops.mqa_logits(q, w, k, nv, width=80)) < 1e-5
 
     def mqa_k_start_mixed():
@@ -150,7 +150,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         q, w, k = torch.randn(t, h, d), torch.randn(t, h), torch.randn(n, d)
         ks = torch.cat([torch.zeros(8, dtype=torch.long), torch.full((13,), 40)])  # 2 requests
         nv = torch.minimum(torch.randint(0, 90, (t,)), n - ks)
-        out = mqa_logits(q, w, k, nv, k_start=ks, width=64, config=(16, 32, 4, 1))
+        out = launch_mqa_logits(q, w, k, nv, k_start=ks, width=64, config=(16, 32, 4, 1))
         assert rel(out, logits64(q, w, k, nv, ks, 64)) < 1e-5
         assert rel(out, ops.mqa_logits(q, w, k, nv, k_start=ks, width=64)) < 1e-5
 
@@ -158,10 +158,12 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         torch.manual_seed(4)
         h, d, n = 4, 64, 40
         q, w, k = torch.randn(1, h, d), torch.randn(1, h), torch.randn(n, d)
-        out = mqa_logits(q, w, k, torch.tensor([n]), config=(16, 32, 4, 1))
+        out = launch_mqa_logits(q, w, k, torch.tensor([n]), config=(16, 32, 4, 1))
         assert rel(out, logits64(q, w, k, torch.tensor([n]))) < 1e-5
         q, w = torch.randn(5, h, d), torch.randn(5, h)
-        out = mqa_logits(q, w, k, torch.zeros(5, dtype=torch.long), config=(16, 32, 4, 1))
+        out = launch_mqa_logits(
+            q, w, k, torch.zeros(5, dtype=torch.long), config=(16, 32, 4, 1)
+        )
         assert torch.all(out == float("-inf"))
 
     def topk_in_registers():
@@ -183,7 +185,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         nv = torch.tensor([300, 300, 25, 24, 130, 257])
         want = ops.topk_indices(logits, nv, k)
         for cap in (None, 32):  # 32: the candidates overflow and the row is searched in memory
-            got = topk_indices(logits, nv, k, piece=64, stream=32, cap=cap)
+            got = launch_topk(logits, nv, k, piece=64, stream=32, cap=cap)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, want)
 
@@ -201,7 +203,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         logits[0, ::3] = -0.0
         nv = torch.tensor([2048, 1000, 65, 2000])
         for piece in (None, 512):
-            got = topk_indices(logits, nv, k, piece=piece, stream=256)
+            got = launch_topk(logits, nv, k, piece=piece, stream=256)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, ops.topk_indices(logits, nv, k))
 
@@ -224,7 +226,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         idx = torch.randint(0, n, (t, kk), dtype=torch.int32)
         sink = torch.randn(h)
         for config in ((16, 4, 1), (32, 4, 2)):
-            out = sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
+            out = launch_sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
             assert rel(out, attention_ref64(q, kv, idx, sink, d**-0.5)) < 1e-5
             assert rel(out, ops.sparse_attention(q, kv, idx, sink, d**-0.5)) < 1e-5
 
@@ -237,7 +239,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         q[0] *= 30  # large logits: the running max moves mid-row
         ref = ops.sparse_attention(q, kv, idx, sink, d**-0.5)
         for config in ((16, 4, 1),):
-            out = sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
+            out = launch_sparse_attention(q, kv, idx, sink, d**-0.5, config=config)
             assert out.dtype == torch.bfloat16
             assert rel(out, ref) < 1e-2  # p is rounded to bf16 before p·v, as on the GPU
 
@@ -248,11 +250,11 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         idx = torch.full((t, kk), -1, dtype=torch.int32)
         idx[1, 3] = 4  # only the window key
         sink = torch.randn(h)
-        out = sparse_attention(q, kv, idx, sink, 0.1, config=(16, 4, 1))
+        out = launch_sparse_attention(q, kv, idx, sink, 0.1, config=(16, 4, 1))
         assert torch.all(out[0] == 0) and torch.all(out[2] == 0)
         assert rel(out, ops.sparse_attention(q, kv, idx, sink, 0.1)) < 1e-5
         sink_off = torch.full((h,), float("-inf"))
-        out = sparse_attention(q, kv, idx, sink_off, 0.1, config=(16, 4, 1))
+        out = launch_sparse_attention(q, kv, idx, sink_off, 0.1, config=(16, 4, 1))
         assert torch.all(out[0] == 0)
         assert torch.allclose(out[1], kv[4].expand(h, d))
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp import ops
-from dsv4cp.kernels import dispatch
-from dsv4cp.kernels.sparse_attention import sparse_attention
+from dsv4cp import ops, routing
+from dsv4cp.kernels.attention import launch_sparse_attention, sparse_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,11 +82,11 @@ def test_config_variants(config: tuple) -> None:
     q[:5] *= 8  # large logits: the running max moves mid-row
     idx = torch.randint(-1, 2000, (33, 300), device="cuda", generator=g, dtype=torch.int32)
     want = ops.sparse_attention(q, kv, idx, sink, 512**-0.5)
-    _compare(sparse_attention(q, kv, idx, sink, 512**-0.5, config=config), want)
+    _compare(launch_sparse_attention(q, kv, idx, sink, 512**-0.5, config=config), want)
 
 
 def test_unsupported_head_dim_raises() -> None:
     q, kv, sink, _ = _inputs(2, 4, 1024, 8, seed=8)
     idx = torch.zeros(2, 4, device="cuda", dtype=torch.int32)
     with pytest.raises(ValueError, match="D must be in"):
-        dispatch.sparse_attention(q, kv, idx, sink, 0.1)
+        routing.sparse_attention(q, kv, idx, sink, 0.1)

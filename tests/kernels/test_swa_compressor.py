@@ -13,7 +13,7 @@ import torch
 
 from dsv4cp import ops
 from dsv4cp.kernels import compressor as kc
-from dsv4cp.kernels.swa_store import store_swa_k, swa_key
+from dsv4cp.kernels.norm_rope import store_swa_k, swa_key
 from dsv4cp.ops.rope import YarnScaling
 
 pytestmark = [

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp import ops
-from dsv4cp.kernels import dispatch
+from dsv4cp import ops, routing
 from dsv4cp.kernels.topk import topk_indices
 
 pytestmark = [
@@ -77,4 +76,4 @@ def test_streaming_path_and_heavy_ties() -> None:
 def test_unsupported_k_raises() -> None:
     logits = torch.randn(2, 10, device="cuda")
     with pytest.raises(ValueError, match="k must be in"):
-        dispatch.topk_indices(logits, torch.full((2,), 10, device="cuda"), 5000)
+        routing.topk_indices(logits, torch.full((2,), 10, device="cuda"), 5000)

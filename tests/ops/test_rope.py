@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsv4cp.ops import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq
+from dsv4cp.ops import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 
 REAL_YARN = YarnScaling(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0)
 # beta_slow chosen so that corr(beta_slow) is in (-1, 0]: lo == hi == 0, the +0.001 branch
@@ -204,3 +204,17 @@ def test_bad_arguments() -> None:
         apply_rope(x, torch.tensor([0, 1]), 128, 10000.0)
     with pytest.raises(ValueError, match="positions"):
         apply_rope(x, torch.tensor([0, 1, 2]), 32, 10000.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_in_place_equals_apply_rope(dtype: torch.dtype, inverse: bool) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(7, 3, 40).to(dtype)
+    pos = torch.tensor([0, 1, 5, 9, 100, 4096, 70000])
+    want = apply_rope(x, pos, 16, 10000.0, REAL_YARN, inverse=inverse)
+    head = x[..., :24].clone()
+    got = rope_tail_(x, pos, 16, 10000.0, REAL_YARN, inverse=inverse)
+    assert got is x
+    assert torch.equal(x, want)
+    assert torch.equal(x[..., :24], head)

@@ -1,4 +1,4 @@
-"""V4.1 ratio-1/2 compressor tail (attention-math §5.2) on the fused row kernel of swa_store.
+"""V4.1 ratio-1/2 compressor tail (attention-math §5.2) on the fused norm/RoPE row kernel.
 
 compress_store does pair pool (ratio 2) → round to the cache dtype → RMSNorm → round (the latent
 L, also returned) → RoPE at the entry position → write the compressed key at its cache slot, in
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4cp.kernels.swa_store import norm_rope_rows
+from dsv4cp.kernels.norm_rope import norm_rope_rows
 from dsv4cp.ops.rope import YarnScaling
 
 

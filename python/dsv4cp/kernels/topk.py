@@ -198,7 +198,12 @@ def _warps(block: int) -> int:
     return max(4, min(8, block // 2048))
 
 
-def topk_indices(
+def topk_indices(logits: Tensor, n_visible: Tensor, k: int) -> Tensor:
+    """Triton twin of ops.indexer.topk_indices: int32 [T, k], sorted ascending, -1 pads."""
+    return launch_topk(logits, n_visible, k)
+
+
+def launch_topk(
     logits: Tensor,
     n_visible: Tensor,
     k: int,
@@ -207,11 +212,9 @@ def topk_indices(
     stream: int = STREAM,
     cap: int | None = None,
 ) -> Tensor:
-    """Triton twin of ops.indexer.topk_indices: int32 [T, k], sorted ascending, -1 pads.
-
-    `piece`, `stream` and `cap` override the two-level sizes (tests use them to reach that path,
-    and its overflow fallback, at small widths).
-    """
+    """topk_indices with the two-level sizes overridable: `piece`, `stream` and `cap` (tests
+    use them to reach that path, and its overflow fallback, at small widths; benchmarks sweep
+    `piece`)."""
     check_topk(logits, n_visible, k)
     t, w = logits.shape
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)  # every slot is written

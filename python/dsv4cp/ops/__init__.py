@@ -12,10 +12,11 @@ from dsv4cp.ops.indexer import (
     topk_among_blocks,
     topk_indices,
 )
+from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
-from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq
+from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 from dsv4cp.ops.swa import store_swa_k, swa_key
 
 __all__ = [
@@ -30,11 +31,13 @@ __all__ = [
     "index_key",
     "indexer_queries",
     "indexer_weights",
+    "linear_fp32",
     "mqa_logits",
     "pair_pool",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "rope_tail_",
     "sparse_attention",
     "store_swa_k",
     "swa_key",

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels.dispatch import interpreting
+from dsv4cp.kernels._triton import interpreting
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
 # --sweep (608 TFLOP/s at T=2048, N=16384, H_I=32 against 560 with 3 stages).
@@ -163,9 +163,22 @@ def mqa_logits(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
-    config: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """Triton twin of ops.indexer.mqa_logits: fp32 [T, width], -inf for j >= n_visible[t]."""
+    return launch_mqa_logits(q, weights, k, n_visible, k_start=k_start, width=width)
+
+
+def launch_mqa_logits(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    *,
+    k_start: Tensor | None = None,
+    width: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> Tensor:
+    """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks)."""
     check_mqa_logits(q, weights, k, n_visible)
     t, h, d = q.shape
     n = k.shape[0]

@@ -1,4 +1,4 @@
-"""Fused row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → store at slots.
+"""Fused norm/RoPE row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → store.
 
 store_swa_k (attention-math §4.3/§5.1) is norm + rope in fp32, cast once, scattered to the cache
 slots. The compressor (§5.2) reuses the same kernel with its pooling and rounding steps switched
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels.dispatch import interpreting
+from dsv4cp.kernels._triton import interpreting, to_dtype
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
 if not interpreting():
@@ -56,18 +56,6 @@ def _rsqrt(x, PRECISE: tl.constexpr):
         return libdevice.rsqrt(x)
     else:
         return 1.0 / tl.sqrt(x)
-
-
-@triton.jit
-def to_dtype(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 → DTYPE with round-to-nearest-even. The CPU interpreter truncates fp32 → bf16, so
-    there the rounding is done on the bits first (the GPU cast is RNE already)."""
-    if EMULATE_RNE:
-        if DTYPE == tl.bfloat16:
-            bits = x.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
 
 
 @triton.jit

@@ -14,13 +14,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels.dispatch import interpreting
-from dsv4cp.kernels.swa_store import to_dtype
+from dsv4cp.kernels._triton import interpreting, to_dtype
 
 MAX_D = 512
 # (BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py --sweep.
 DEFAULT_CONFIG = (64, 8, 2)
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host uses .value
 
 
 @triton.jit
@@ -47,7 +46,7 @@ def _sparse_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=float("-inf")).to(tl.float32)
-    sink = sink * 1.4426950408889634
+    sink = sink * _LOG2E
     m = sink
     l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
@@ -100,7 +99,12 @@ def check_sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor)
         )
 
 
-def sparse_attention(
+def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Triton twin of ops.attention.sparse_attention: [T, H, D] in q.dtype."""
+    return launch_sparse_attention(q, kv, indices, sink, scale)
+
+
+def launch_sparse_attention(
     q: Tensor,
     kv: Tensor,
     indices: Tensor,
@@ -109,7 +113,7 @@ def sparse_attention(
     *,
     config: tuple[int, int, int] | None = None,
 ) -> Tensor:
-    """Triton twin of ops.attention.sparse_attention: [T, H, D] in q.dtype."""
+    """sparse_attention with an explicit (BLOCK_N, num_warps, num_stages) (benchmarks)."""
     check_sparse_attention(q, kv, indices, sink)
     t, h, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -128,7 +132,7 @@ def sparse_attention(
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
         q, kv, indices, sink.float().contiguous(), out,
-        h, kv.shape[0], indices.shape[1], float(scale) * _LOG2E,
+        h, kv.shape[0], indices.shape[1], float(scale) * _LOG2E.value,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         D=d,
         D_PAD=max(16, triton.next_power_of_2(d)),

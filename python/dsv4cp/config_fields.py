@@ -1,0 +1,50 @@
+"""Config field rules: each field of `DeepseekV41Config` declares its type and range once, on
+the field (`ruled(rule)`); `checked` enforces it with a ValueError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, field
+from typing import Any
+
+# A tuple rule lists the allowed values.
+SIZE, COUNT, LAYER = "size", "count", "layer"
+POS, NONNEG, FLAG, IDS = "pos", "nonneg", "flag", "ids"
+_INT_MIN = {SIZE: 1, COUNT: 0, LAYER: -1}
+_WHAT = {
+    SIZE: "a positive integer", COUNT: "a non-negative integer", LAYER: "a layer id or -1",
+    POS: "a positive number", NONNEG: "a non-negative number", FLAG: "true or false",
+    IDS: "a list of non-negative integers",
+}
+
+
+def ruled(rule: str | tuple[str, ...], default: Any = MISSING) -> Any:
+    """A dataclass field obeying `rule`; without a default it is required in config.json. A
+    None default makes the field optional (None is then not checked)."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def bad_field(name: str, msg: str) -> ValueError:
+    return ValueError(f"DeepseekV41Config.{name}: {msg}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def checked(name: str, v: Any, rule: str | tuple[str, ...]) -> Any:
+    """v, normalised (numbers → float, lists → tuple), if it obeys `rule`; else ValueError."""
+    if isinstance(rule, tuple):
+        if v not in rule:
+            raise bad_field(name, f"must be one of {rule}, got {v!r}")
+        return v
+    if rule == IDS:
+        ok = isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)
+    elif rule == FLAG:
+        ok = isinstance(v, bool)
+    elif rule in _INT_MIN:
+        ok = _is_int(v) and v >= _INT_MIN[rule]
+    else:
+        ok = (_is_int(v) or isinstance(v, float)) and (v > 0 if rule == POS else v >= 0)
+    if not ok:
+        raise bad_field(name, f"must be {_WHAT[rule]}, got {v!r}")
+    return tuple(v) if rule == IDS else float(v) if rule in (POS, NONNEG) else v

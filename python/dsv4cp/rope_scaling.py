@@ -1,0 +1,60 @@
+"""YaRN RoPE scaling parameters, shared by the config and the RoPE ops (attention-math §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_HF_NAMES = (
+    ("factor", "factor"),
+    ("original_max_position", "original_max_position_embeddings"),
+    ("beta_fast", "beta_fast"),
+    ("beta_slow", "beta_slow"),
+)
+_DEFAULT_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the reference ModelArgs' defaults
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position: int
+    beta_fast: float
+    beta_slow: float
+
+    @classmethod
+    def from_hf(cls, raw: Any) -> YarnScaling | None:
+        """Parse an HF `rope_scaling` dict (None or {} → no scaling); ValueError names the key.
+
+        `factor` and `original_max_position_embeddings` are required; the betas default to 32
+        and 1.
+        """
+        if not raw:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"rope_scaling: must be a dict, got {type(raw).__name__}")
+        kind = raw.get("rope_type", raw.get("type"))
+        if kind != "yarn":
+            raise ValueError(f"rope_scaling: only yarn is supported, got {kind!r}")
+        values: dict[str, Any] = {}
+        for name, key in _HF_NAMES:
+            if key not in raw and name not in _DEFAULT_BETAS:
+                raise ValueError(f"rope_scaling.{key}: required for yarn scaling")
+            v = raw.get(key, _DEFAULT_BETAS.get(name))
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"rope_scaling.{key}: must be a number, got {v!r}")
+            values[name] = v
+        if values["factor"] <= 0:
+            raise ValueError(f"rope_scaling.factor: must be positive, got {values['factor']}")
+        omp = values["original_max_position"]
+        if not isinstance(omp, int) or omp <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_position_embeddings: must be a positive integer, "
+                f"got {omp!r}"
+            )
+        return cls(float(values["factor"]), omp, float(values["beta_fast"]),
+                   float(values["beta_slow"]))
+
+    def to_hf(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "yarn", "rope_type": "yarn"}
+        out.update({key: getattr(self, name) for name, key in _HF_NAMES})
+        return out

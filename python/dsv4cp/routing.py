@@ -1,0 +1,116 @@
+"""The one door through which the layer calls its ops, routed or not.
+
+`ROUTES` names each op that has a Triton kernel: its `dsv4cp.ops` function (the reference, whose
+signature and docstring the routed function carries) and the kernels module holding a function
+of the same name and signature. A routed call sends CUDA tensors to the kernel unless
+`DSV4CP_KERNELS=torch`, and CPU tensors to the op. On CUDA a shape the kernel does not support
+raises the kernel's ValueError naming the limit: there is no silent fallback to the op. Kernel
+modules are imported on the first CUDA call, so importing this module never imports Triton.
+
+Ops without a kernel are exported here too, so the layer imports every op from one namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from dsv4cp import ops
+from dsv4cp.ops import (
+    apply_rope,
+    candidate_blocks,
+    grouped_output,
+    indexer_queries,
+    indexer_weights,
+    linear_fp32,
+    rms_norm,
+    rope_tail_,
+    topk_among_blocks,
+)
+
+ENV_FLAG = "DSV4CP_KERNELS"
+
+ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
+    "mqa_logits": (ops.mqa_logits, "dsv4cp.kernels.indexer_logits"),
+    "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
+    "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.attention"),
+    "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
+    "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
+    "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
+    "compressed_latent": (ops.compressed_latent, "dsv4cp.kernels.compressor"),
+    "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
+    "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
+}
+
+
+def kernel_backend_requested() -> bool:
+    """False when DSV4CP_KERNELS=torch forces the ops twins."""
+    value = os.environ.get(ENV_FLAG, "triton").strip().lower()
+    if value not in ("triton", "torch", ""):
+        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
+    return value != "torch"
+
+
+def use_kernels(x: Tensor) -> bool:
+    """Whether an op whose first tensor is `x` runs its Triton kernel."""
+    return x.is_cuda and kernel_backend_requested()
+
+
+def kernel_of(name: str) -> Callable[..., Any]:
+    """The Triton twin of the routed op `name` (imports its kernels module)."""
+    return getattr(importlib.import_module(ROUTES[name][1]), name)
+
+
+def _route(name: str) -> Callable[..., Any]:
+    op = ROUTES[name][0]
+    lead = next(iter(inspect.signature(op).parameters))  # the tensor that picks the device
+
+    @functools.wraps(op)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else kwargs[lead]
+        return (kernel_of(name) if use_kernels(first) else op)(*args, **kwargs)
+
+    return routed
+
+
+mqa_logits = _route("mqa_logits")
+topk_indices = _route("topk_indices")
+sparse_attention = _route("sparse_attention")
+swa_key = _route("swa_key")
+store_swa_k = _route("store_swa_k")
+pair_pool = _route("pair_pool")
+compressed_latent = _route("compressed_latent")
+compressed_key = _route("compressed_key")
+index_key = _route("index_key")
+
+__all__ = [
+    "ENV_FLAG",
+    "ROUTES",
+    "apply_rope",
+    "candidate_blocks",
+    "compressed_key",
+    "compressed_latent",
+    "grouped_output",
+    "index_key",
+    "indexer_queries",
+    "indexer_weights",
+    "kernel_backend_requested",
+    "kernel_of",
+    "linear_fp32",
+    "mqa_logits",
+    "pair_pool",
+    "rms_norm",
+    "rope_tail_",
+    "sparse_attention",
+    "store_swa_k",
+    "swa_key",
+    "topk_among_blocks",
+    "topk_indices",
+    "use_kernels",
+]
