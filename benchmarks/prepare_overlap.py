@@ -19,13 +19,13 @@ import sys
 import torch
 
 from benchmarks.benchutil import Table, device_info, time_cuda, time_graph, write_json
-from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.executors import SERIAL, Executor, ExecutorFactory, MultistreamExecutor, StreamPool
+from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.model import init_random_
 from dsv4cp.observe.profiling import capture_trace
 from dsv4cp.observe.timeline import overlap_fraction, plot_timeline

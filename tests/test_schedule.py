@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.executors import SerialExecutor
+from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 from dsv4cp.schedule import (

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4cp.attention import DeepseekV41Attention
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import gather_global
 from dsv4cp.executors import SERIAL, SERIAL_ONLY, Executor, LayerExecutors
+from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
 from dsv4cp.schedule import lanes_of
