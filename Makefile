@@ -28,8 +28,7 @@ demo: install
 
 test: test-core test-sglang
 
-test-core: install
-	$(VENV)/bin/ruff check python tests benchmarks
+test-core: install lint
 	$(PY) -m pytest -q -m "not gpu and not sglang"
 
 test-sglang: install-sglang
@@ -37,6 +36,7 @@ test-sglang: install-sglang
 
 lint: install
 	$(VENV)/bin/ruff check python tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) build *.egg-info

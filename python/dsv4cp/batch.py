@@ -159,7 +159,7 @@ class CompressedWorkspace:
 
 @dataclass
 class BatchMetadata:
-    batch: PrefillBatch
+    batch: PrefillBatch | None  # None for a graph bucket's static metadata
     tokens: TokenMeta  # global rows, length T
     workspaces: dict[int, CompressedWorkspace] = field(default_factory=dict)
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +67,9 @@ class SwiGLU(nn.Module):
         self, d: int, inter: int, *, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        p = dict(dtype=dtype, device=device)
-        self.w1 = nn.Parameter(torch.empty(inter, d, **p), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(inter, d, **p), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(d, inter, **p), requires_grad=False)
+        self.w1 = nn.Parameter(torch.empty(inter, d, dtype=dtype, device=device), False)
+        self.w3 = nn.Parameter(torch.empty(inter, d, dtype=dtype, device=device), False)
+        self.w2 = nn.Parameter(torch.empty(d, inter, dtype=dtype, device=device), False)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
@@ -128,10 +128,19 @@ class DeepseekV41Model(nn.Module):
         if seed is not None:
             self.init_random(seed)
 
+    @property
+    def blocks(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self) -> dict[str, Tensor]:
-        out = {"embed.weight": self.embed, "norm.weight": self.norm, "head.weight": self.head}
-        for i, layer in enumerate(self.layers):
+        out: dict[str, Tensor] = {
+            "embed.weight": self.embed,
+            "norm.weight": self.norm,
+            "head.weight": self.head,
+        }
+        for i, layer in enumerate(self.blocks):
             out[f"layers.{i}.attn_norm.weight"] = layer.attn_norm
             out[f"layers.{i}.ffn_norm.weight"] = layer.ffn_norm
             for n in ("w1", "w2", "w3"):
@@ -188,7 +197,7 @@ class DeepseekV41Model(nn.Module):
 
     def prepare_lanes(self) -> list[str]:
         """The side lanes of every layer's prepare: one CUDA stream each (`StreamPool`)."""
-        return lanes_of([layer.attn.schedule() for layer in self.layers])
+        return lanes_of([layer.attn.schedule() for layer in self.blocks])
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -210,7 +219,7 @@ class DeepseekV41Model(nn.Module):
         self, h: Tensor, ctx: ForwardContext, executors: LayerExecutors = SERIAL_ONLY
     ) -> Tensor:
         """Local rows through every decoder layer (no final norm)."""
-        for layer in self.layers:
+        for layer in self.blocks:
             h = layer(h, ctx, executors.for_role(layer.attn.role))
             if self.layer_hook is not None:
                 self.layer_hook(f"layer{layer.attn.layer}", h, ctx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ from dsv4cp.graphs.runner import BucketReport, GraphConfig, GraphRunner, StaticB
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.observe.timing import StageTimer, use_timer
 
-Requests = Mapping[object, Sequence[int]] | Sequence[tuple[object, Sequence[int]]]
+Requests = Mapping[Any, Sequence[int]] | Sequence[tuple[Any, Sequence[int]]]
 
 
 @dataclass

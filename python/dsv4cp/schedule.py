@@ -55,7 +55,7 @@ class ScheduleError(ValueError):
     pass
 
 
-class PrepareState(dict):  # type: ignore[type-arg]
+class PrepareState(dict[str, Any]):
     """Named buffers of one layer's prepare, plus the objects nodes need (`ctx`)."""
 
     def __init__(self, ctx: Any, **buffers: Any) -> None:
@@ -140,10 +140,10 @@ def validate(schedule: Schedule) -> None:
                 lanes[lane] = _LaneState(True, step.compute_only, i)
         elif isinstance(step, Join):
             for lane in step.lanes:
-                st = lanes.get(lane)
-                if st is None or not st.open:
+                joined = lanes.get(lane)
+                if joined is None or not joined.open:
                     raise ScheduleError(f"{where(i)}: join of lane {lane!r} that is not open")
-                st.open = False
+                joined.open = False
                 for p in produced.values():
                     if p.lane == lane:
                         p.joined = True
@@ -182,10 +182,10 @@ def validate(schedule: Schedule) -> None:
             for name in node.reads:
                 if name in released:
                     raise ScheduleError(f"{where(i, node)}: reads {name!r} after its release")
-                p = produced.get(name)
-                if p is None:
+                writer = produced.get(name)
+                if writer is None:
                     raise ScheduleError(f"{where(i, node)}: reads {name!r} before any writer")
-                _check_order(schedule, i, node, name, p, lanes)
+                _check_order(schedule, i, node, name, writer, lanes)
                 if node.lane != DEFAULT:
                     lanes[node.lane].reads.add(name)
             for name in node.writes:

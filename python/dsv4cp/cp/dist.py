@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -121,7 +122,8 @@ class TorchDistCPGroup:
             self._gather_into(out, x, group=self._group)  # current stream, ordered on it
             return
         work = self._gather_into(out, x, group=self._group, async_op=True)
-        work.wait(timeout=self._td())
+        if work is not None:  # async_op=True always returns a Work handle
+            work.wait(timeout=self._td())
 
     def _run(self, rec: CollectiveRecord, op: Callable[[], None]) -> None:
         try:
@@ -196,4 +198,7 @@ def new_cp_group(
         if world % cp_size:
             raise ValueError(f"world size {world} is not a multiple of cp_size {cp_size}")
         group, _ = dist.new_subgroups(cp_size, backend=pg_backend)
-    return TorchDistCPGroup(group, timeout_s=timeout_s, check_order=check_order)
+    # Members get a ProcessGroup (the non-members raised above).
+    return TorchDistCPGroup(
+        cast("dist.ProcessGroup | None", group), timeout_s=timeout_s, check_order=check_order
+    )

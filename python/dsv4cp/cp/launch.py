@@ -83,11 +83,13 @@ def _rank_main(rank: int, cp_size: int, port: int, backend: str, timeout_s: floa
         payload = pickle.dumps(_to_cpu(fn(group, *args)))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         code = 1
+        exc_bytes: bytes | None = None
         try:
-            exc_bytes: bytes | None = pickle.dumps(e)
-            pickle.loads(exc_bytes)
+            data = pickle.dumps(e)
+            pickle.loads(data)
+            exc_bytes = data
         except Exception:
-            exc_bytes = None
+            pass
         secondary = isinstance(e, CPCommError)  # a collective failed: maybe a peer's fault
         out.put(("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc(), exc_bytes,
                  secondary))

@@ -80,9 +80,9 @@ class BreakableGraph:
     def capture(self, fn: Callable[[], Any]) -> Any:
         if in_capture():
             raise GraphBreakError("nested BreakableGraph capture")
-        self.stream = self.stream or torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        stream = self.stream = self.stream or torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             _state.graph = self
             try:
                 self._begin()
@@ -93,19 +93,22 @@ class BreakableGraph:
                 raise
             finally:
                 _state.graph = None
-        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream().wait_stream(stream)
         return self.output
 
     def replay(self) -> Any:
+        stream = self.stream
+        if stream is None:
+            raise GraphBreakError("BreakableGraph.replay before capture")
         main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
             for i, seg in enumerate(self.segments):
                 seg.replay()
                 if i < len(self.breaks):
                     b = self.breaks[i]
                     b.out.copy_(b.fn(*b.args))
-        main.wait_stream(self.stream)
+        main.wait_stream(stream)
         return self.output
 
     @property

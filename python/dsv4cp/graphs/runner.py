@@ -15,6 +15,7 @@ schedule (`overlap_gathers`), since a break may not sit inside an open fork.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -192,7 +193,7 @@ class GraphRunner:
             # GPU) is capturing: barriers fence the capture on both sides.
             barrier()
             graph = BreakableGraph(pool=pool)
-            graph.capture(lambda static=static: body(static))
+            graph.capture(functools.partial(body, static))
             barrier()
             torch.cuda.synchronize()
             pool = graph.pool

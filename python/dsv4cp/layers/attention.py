@@ -78,24 +78,27 @@ class DeepseekV41Attention(nn.Module):
         self.theta, self.yarn = c.compress_rope(self.role.ratio)
         self.scale = c.head_dim**-0.5
         d, hd = c.hidden_size, c.num_attention_heads * c.head_dim
-        p = dict(dtype=dtype, device=device)
+
+        def w(*shape: int) -> nn.Parameter:
+            return _param(*shape, dtype=dtype, device=device)
+
         # wq_a and wkv are stored fused (one GEMM, SGLang's wqkv_a); the checkpoint names views.
-        self.wqkv_a = _param(c.q_lora_rank + c.head_dim, d, **p)
-        self.q_norm = _param(c.q_lora_rank, **p)
-        self.wq_b = _param(hd, c.q_lora_rank, **p)
-        self.kv_norm = _param(c.head_dim, **p)
-        self.wo_a = _param(c.o_groups * c.o_lora_rank, hd // c.o_groups, **p)
-        self.wo_b = _param(d, c.o_groups * c.o_lora_rank, **p)
+        self.wqkv_a = w(c.q_lora_rank + c.head_dim, d)
+        self.q_norm = w(c.q_lora_rank)
+        self.wq_b = w(hd, c.q_lora_rank)
+        self.kv_norm = w(c.head_dim)
+        self.wo_a = w(c.o_groups * c.o_lora_rank, hd // c.o_groups)
+        self.wo_b = w(d, c.o_groups * c.o_lora_rank)
         self.attn_sink = _param(c.num_attention_heads, dtype=torch.float32, device=device)
         if self.role.owns_compressor:
             # ratio 2: [wkv ; wgate] fused, one GEMM with an fp32 result.
-            self.comp_wkv = _param(c.head_dim * (2 if self.role.ratio == 2 else 1), d, **p)
-            self.comp_norm = _param(c.head_dim, **p)
-            self.idx_wk = _param(c.index_head_dim, c.head_dim, **p)
-            self.idx_k_norm = _param(c.index_head_dim, **p)
+            self.comp_wkv = w(c.head_dim * (2 if self.role.ratio == 2 else 1), d)
+            self.comp_norm = w(c.head_dim)
+            self.idx_wk = w(c.index_head_dim, c.head_dim)
+            self.idx_k_norm = w(c.index_head_dim)
         if self.role.index_source:
-            self.idx_wq_b = _param(c.index_n_heads * c.index_head_dim, c.q_lora_rank, **p)
-            self.idx_weights_proj = _param(c.index_n_heads, d, **p)
+            self.idx_wq_b = w(c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            self.idx_weights_proj = w(c.index_n_heads, d)
         self.schedules: dict[bool, Schedule] = {}  # by overlap_gathers, built when first asked
 
     def checkpoint_weights(self) -> dict[str, Tensor]:
@@ -309,7 +312,7 @@ class DeepseekV41Attention(nn.Module):
             q_lanes.append(
                 node(self._indexer_qw, ("q_lora", "x"), ("idx_q", "idx_w"), lane="indexer")
             )
-        gathers = [node(self._gather_kv, ("kv_raw",), ("kv_raw_g",), collective=True)]
+        gathers: list[Step] = [node(self._gather_kv, ("kv_raw",), ("kv_raw_g",), collective=True)]
         if kv_src:
             gathers.append(node(self._gather_comp, ("comp_kv",), ("comp_kv_g",), collective=True))
         steps += q_lanes + gathers if overlap_gathers else gathers + q_lanes
@@ -354,10 +357,13 @@ class DeepseekV41Attention(nn.Module):
         local, cache = ctx.local, ctx.cache
         win = local.window_slots(self.window)
         parts = [torch.where(win >= 0, win + cache.swa_base(self.layer), -1)]
+        src = self.role.kv_source
         if self.role.compressed:
+            if src is None:
+                raise ValueError(f"layer {self.layer}: a compressed layer needs a kv source")
             topk = ctx.cross.topk[self.role.ratio]
             comp = local.entry_slots(self.role.ratio, topk)
-            parts.append(torch.where(comp >= 0, comp + cache.comp_base(self.role.kv_source), -1))
+            parts.append(torch.where(comp >= 0, comp + cache.comp_base(src), -1))
         return torch.cat(parts, dim=1).to(torch.int32)
 
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:

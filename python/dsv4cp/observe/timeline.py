@@ -187,10 +187,10 @@ def plot_timeline(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
-    except ModuleNotFoundError as e:
+    except ModuleNotFoundError as missing:
         raise ModuleNotFoundError(
             "plot_timeline needs matplotlib: pip install 'dsv4cp[plot]'"
-        ) from e
+        ) from missing
 
     ks = list(kernels)
     lo, hi = _resolve(ks, window)
@@ -204,7 +204,8 @@ def plot_timeline(
     ax = fig.add_subplot(1, 1, 1)
     c_kernel, c_gather, c_overlap = "tab:blue", "tab:red", "tab:green"
     for lane, st in enumerate(streams):
-        plain, gath = [], []
+        plain: list[Interval] = []
+        gath: list[Interval] = []
         for k in ks:
             if k[1] != st:
                 continue

@@ -18,6 +18,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 BASE_SENTENCE = (
     "the quick brown fox jumps over the lazy dog while a distant bell rings twice at dawn and "
@@ -115,7 +119,7 @@ def greedy_payload(input_ids: list[int], max_new_tokens: int, top_k: int) -> dic
 
 
 # ---------------------------------------------------------------------------------- reference
-def load_tokenizer(model_path: str | os.PathLike[str]):
+def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
     from tokenizers import Tokenizer
 
     path = Path(model_path) / "tokenizer.json"
@@ -137,7 +141,7 @@ class Reference:
             model_path, dtype=getattr(torch, dtype), device="cpu"
         )
 
-    def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[object, object]:
+    def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[Tensor, Tensor]:
         """(input log-probs [len-1] of prompt[1:], output log-softmax rows [len(forced), V])."""
         from dsv4cp.runner import PrefillRunner
 
@@ -145,8 +149,10 @@ class Reference:
         n = len(prompt) + len(forced)
         runner = PrefillRunner(self.model, num_slots=n + 64, max_requests=2,
                                max_context=n + 16, page_size=16)
-        out = runner.prefill([("r", prompt)], return_all_logits=True)
-        all_lp = torch.log_softmax(out.all_logits.float(), -1)
+        all_logits = runner.prefill([("r", prompt)], return_all_logits=True).all_logits
+        if all_logits is None:
+            raise ValueError("accuracy: the runner returned no all_logits")
+        all_lp = torch.log_softmax(all_logits.float(), -1)
         idx = torch.tensor(prompt[1:], dtype=torch.long)
         input_lp = all_lp[:-1].gather(1, idx[:, None])[:, 0]
         rows = [all_lp[-1]]

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -196,7 +197,7 @@ def compare(ref: dict[str, Tensor], other: dict[str, Tensor]) -> Comparison:
     return Comparison(abs_d, rel_d, topk_eq, missing)
 
 
-def summarize(cmp: Comparison, tol: float) -> dict[str, object]:
+def summarize(cmp: Comparison, tol: float) -> dict[str, Any]:
     """Largest differences per layer, for `dsv4cp check --json`."""
     layers: dict[str, float] = {}
     for k, v in cmp.max_rel.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from dsv4cp.config import DeepseekV41Config
 
@@ -40,7 +41,7 @@ def _merges(n: int) -> list[tuple[str, str]]:
     return pairs[:n]
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int) -> Any:
     """A `tokenizers.Tokenizer` with exactly `vocab_size` ids (>= 259)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

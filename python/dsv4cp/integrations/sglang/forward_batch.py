@@ -18,6 +18,7 @@ so the adapter is bookkeeping: no token is re-laid out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any  # SGLang's ForwardBatch: not imported here (sglang is optional)
 
 import torch
 from torch import Tensor
@@ -54,13 +55,13 @@ class SGLangBatch:
         return PrefillBatch(tuple(reqs))
 
 
-def _host_list(values: object) -> list[int]:
+def _host_list(values: Any) -> list[int]:
     if isinstance(values, Tensor):
         return [int(v) for v in values.tolist()]
     return [int(v) for v in values]
 
 
-def mode_of(forward_batch: object) -> str:
+def mode_of(forward_batch: Any) -> str:
     mode = forward_batch.forward_mode
     if mode.is_idle():
         return "idle"
@@ -73,7 +74,7 @@ def mode_of(forward_batch: object) -> str:
     raise NotImplementedError(f"dsv4cp: forward mode {mode!r} is not supported")
 
 
-def from_forward_batch(forward_batch: object) -> SGLangBatch:
+def from_forward_batch(forward_batch: Any) -> SGLangBatch:
     """Read one ForwardBatch; raises ValueError when its fields disagree with each other."""
     mode = mode_of(forward_batch)
     ids = forward_batch.input_ids.reshape(-1).long()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +65,7 @@ class _Head:
         return self._model.head
 
 
-def _pools(forward_batch: object) -> tuple[object, Tensor]:
+def _pools(forward_batch: Any) -> tuple[Any, Tensor]:
     """(token_to_kv_pool, req_to_token) of this forward."""
     kv = getattr(forward_batch, "token_to_kv_pool", None)
     r2t = getattr(forward_batch, "req_to_token_pool", None)
@@ -158,7 +159,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             return SingleCPGroup()
         return self._cp
 
-    def _cache_for(self, forward_batch: object) -> tuple[KVCache, Tensor]:
+    def _cache_for(self, forward_batch: Any) -> tuple[KVCache, Tensor]:
         pool, r2t = _pools(forward_batch)
         cache = self.cache
         if cache is None or cache.req_to_token.shape != r2t.shape:
@@ -193,8 +194,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.dsv4cp.forward(batch.input_ids.to(cache.device), ctx, executors)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: object,
-                **_: object) -> object:
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: Any,
+                **_: object) -> Any:
         m = self.dsv4cp
         batch = from_forward_batch(forward_batch)
         if batch.num_tokens == 0:
