@@ -36,6 +36,7 @@ test-sglang: install-sglang
 
 lint: install
 	$(VENV)/bin/ruff check python tests benchmarks
+	$(VENV)/bin/ruff format --check python tests benchmarks
 	$(VENV)/bin/mypy
 
 clean:

@@ -458,4 +458,3 @@ __all__ = [
     "time_graph",
     "write_json",
 ]
-

@@ -89,8 +89,17 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
 
 
-def _row(op: str, impl: str, shape: str, dtype: str, ms: float, *, flops: float = 0.0,
-         nbytes: float = 0.0, **extra: Any) -> None:
+def _row(
+    op: str,
+    impl: str,
+    shape: str,
+    dtype: str,
+    ms: float,
+    *,
+    flops: float = 0.0,
+    nbytes: float = 0.0,
+    **extra: Any,
+) -> None:
     row: dict[str, Any] = {"op": op, "impl": impl, "shape": shape, "dtype": dtype, "ms": ms}
     if flops:
         tf = flops / (ms * 1e-3) / 1e12
@@ -105,8 +114,11 @@ def _row(op: str, impl: str, shape: str, dtype: str, ms: float, *, flops: float 
     note = " ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
     )
-    print(f"{op:10s} {impl:28s} {shape:34s} {ms:9.4f} ms {rate}"
-          f" {'' if frac is None else f'{frac:6.1%}'} {note}", flush=True)
+    print(
+        f"{op:10s} {impl:28s} {shape:34s} {ms:9.4f} ms {rate}"
+        f" {'' if frac is None else f'{frac:6.1%}'} {note}",
+        flush=True,
+    )
 
 
 def bench_ceilings() -> None:
@@ -120,8 +132,14 @@ def bench_ceilings() -> None:
     ms_copy = _ms_eager(lambda: dst.copy_(src), iters=10)  # a captured copy runs on the DMA engine
     CEIL["gbps"] = 2 * src.numel() / (ms_copy * 1e-3) / 1e9
     _row("ceiling", "torch bf16 matmul", f"{m}x{m}x{m}", "bf16", ms, flops=2 * m**3)
-    _row("ceiling", "device copy", f"{src.numel()} B read + written", "u8", ms_copy,
-         nbytes=2 * src.numel())
+    _row(
+        "ceiling",
+        "device copy",
+        f"{src.numel()} B read + written",
+        "u8",
+        ms_copy,
+        nbytes=2 * src.numel(),
+    )
 
 
 def bench_mqa(sweep: bool) -> None:
@@ -133,8 +151,14 @@ def bench_mqa(sweep: bool) -> None:
     flops = 2.0 * t * n * h * d
     shape = f"T={t} H_I={h} D_I={d} N={n} full"
     ref = ops.mqa_logits(q, w, k, full)
-    _row("mqa", "ops twin (fp32 per head)", shape, "bf16->fp32",
-         _ms(lambda: ops.mqa_logits(q, w, k, full), 5), flops=flops)
+    _row(
+        "mqa",
+        "ops twin (fp32 per head)",
+        shape,
+        "bf16->fp32",
+        _ms(lambda: ops.mqa_logits(q, w, k, full), 5),
+        flops=flops,
+    )
 
     def sglang_torch() -> torch.Tensor:  # SGLang 0.5.23's Hopper path: bf16 einsum + relu + sum
         s = torch.einsum("thd,nd->thn", q, k).relu_()
@@ -146,27 +170,53 @@ def bench_mqa(sweep: bool) -> None:
     for cfg in configs:
         out = mqa_kernel(q, w, k, full, config=cfg)
         ms = _ms(lambda cfg=cfg: mqa_kernel(q, w, k, full, config=cfg))
-        _row("mqa", f"triton {cfg or 'default'}", shape, "bf16->fp32", ms, flops=flops,
-             maxdiff=_maxdiff(out, ref))
+        _row(
+            "mqa",
+            f"triton {cfg or 'default'}",
+            shape,
+            "bf16->fp32",
+            ms,
+            flops=flops,
+            maxdiff=_maxdiff(out, ref),
+        )
         best = ms if best is None else min(best, ms)
     # Causal rows after a prefix (P = N - T): FLOPs count only visible keys.
     causal = torch.arange(t, device=DEV) + (n - t) + 1
     vis_flops = 2.0 * h * d * causal.sum().item()
-    _row("mqa", "triton default, causal", f"T={t} H_I={h} N={n} P={n - t}", "bf16->fp32",
-         _ms(lambda: mqa_kernel(q, w, k, causal)), flops=vis_flops, flops_counted="visible")
+    _row(
+        "mqa",
+        "triton default, causal",
+        f"T={t} H_I={h} N={n} P={n - t}",
+        "bf16->fp32",
+        _ms(lambda: mqa_kernel(q, w, k, causal)),
+        flops=vis_flops,
+        flops_counted="visible",
+    )
     ks = torch.zeros(t, dtype=torch.long, device=DEV)
-    ks[t // 2 + 7:] = 3  # two requests: one mixed row block goes through the per-row kernel
+    ks[t // 2 + 7 :] = 3  # two requests: one mixed row block goes through the per-row kernel
     nv = torch.full((t,), n - 3, device=DEV)
-    _row("mqa", "triton default, 2 requests", shape, "bf16->fp32",
-         _ms(lambda: mqa_kernel(q, w, k, nv, k_start=ks, width=n)), flops=flops)
+    _row(
+        "mqa",
+        "triton default, 2 requests",
+        shape,
+        "bf16->fp32",
+        _ms(lambda: mqa_kernel(q, w, k, nv, k_start=ks, width=n)),
+        flops=flops,
+    )
     # The indexer step as the runner calls it: logits in row chunks under a budget, then top-k.
     n_long = _pick(65536, 600)
     k_long = torch.randn(n_long, d, device=DEV).bfloat16()
     nv_long = torch.arange(t, device=DEV) + (n_long - t) + 1
     budget = 256 << 20
-    _row("mqa+topk", "mqa_topk (256 MiB chunks)", f"T={t} N={n_long} k=512", "bf16",
-         _ms(lambda: mqa_topk(q, w, k_long, nv_long, _pick(512, 16), max_logits_bytes=budget), 5),
-         flops=2.0 * h * d * nv_long.sum().item(), flops_counted="visible (logits only)")
+    _row(
+        "mqa+topk",
+        "mqa_topk (256 MiB chunks)",
+        f"T={t} N={n_long} k=512",
+        "bf16",
+        _ms(lambda: mqa_topk(q, w, k_long, nv_long, _pick(512, 16), max_logits_bytes=budget), 5),
+        flops=2.0 * h * d * nv_long.sum().item(),
+        flops_counted="visible (logits only)",
+    )
 
 
 def bench_topk() -> None:
@@ -181,20 +231,45 @@ def _topk_case(t: int, w: int, k: int, pieces: tuple[int, ...] = (8192,)) -> Non
     shape = f"T={t} W={w} k={k}"
     nbytes = 4.0 * t * w
     ref = ops.topk_indices(logits, nv, k)
-    _row("topk", "ops twin (exact ties)", shape, "fp32",
-         _ms(lambda: ops.topk_indices(logits, nv, k)), nbytes=nbytes)
-    _row("topk", "torch.topk + sort", shape, "fp32",
-         _ms(lambda: logits.topk(k, dim=-1, sorted=False).indices.sort(-1)), nbytes=nbytes)
+    _row(
+        "topk",
+        "ops twin (exact ties)",
+        shape,
+        "fp32",
+        _ms(lambda: ops.topk_indices(logits, nv, k)),
+        nbytes=nbytes,
+    )
+    _row(
+        "topk",
+        "torch.topk + sort",
+        shape,
+        "fp32",
+        _ms(lambda: logits.topk(k, dim=-1, sorted=False).indices.sort(-1)),
+        nbytes=nbytes,
+    )
     out = topk_kernel(logits, nv, k)
-    _row("topk", "triton", shape, "fp32", _ms(lambda: topk_kernel(logits, nv, k)),
-         nbytes=nbytes, equal_to_twin=bool(torch.equal(out, ref)),
-         eager_ms=_ms_eager(lambda: topk_kernel(logits, nv, k)))
+    _row(
+        "topk",
+        "triton",
+        shape,
+        "fp32",
+        _ms(lambda: topk_kernel(logits, nv, k)),
+        nbytes=nbytes,
+        equal_to_twin=bool(torch.equal(out, ref)),
+        eager_ms=_ms_eager(lambda: topk_kernel(logits, nv, k)),
+    )
     if w > _pick(16384, 4096):
         for piece in pieces:
             out = topk_kernel(logits, nv, k, piece=_pick(piece, 1024))
-            _row("topk", f"triton piece={piece}", shape, "fp32",
-                 _ms(lambda piece=piece: topk_kernel(logits, nv, k, piece=_pick(piece, 1024))),
-                 nbytes=nbytes, equal_to_twin=bool(torch.equal(out, ref)))
+            _row(
+                "topk",
+                f"triton piece={piece}",
+                shape,
+                "fp32",
+                _ms(lambda piece=piece: topk_kernel(logits, nv, k, piece=_pick(piece, 1024))),
+                nbytes=nbytes,
+                equal_to_twin=bool(torch.equal(out, ref)),
+            )
 
 
 def bench_attention(sweep: bool) -> None:
@@ -207,13 +282,26 @@ def bench_attention(sweep: bool) -> None:
     flops = attention_flops(t, h, kk, d, d)
     shape = f"T={t} H={h} D={d} K={kk} N={n}"
     ref = ops.sparse_attention(q, kv, idx, sink, scale)
-    _row("attn", "ops twin (gather+einsum)", shape, "bf16",
-         _ms(lambda: ops.sparse_attention(q, kv, idx, sink, scale), 5), flops=flops)
+    _row(
+        "attn",
+        "ops twin (gather+einsum)",
+        shape,
+        "bf16",
+        _ms(lambda: ops.sparse_attention(q, kv, idx, sink, scale), 5),
+        flops=flops,
+    )
     for cfg in ATTN_SWEEP if sweep else [None]:
         out = attn_kernel(q, kv, idx, sink, scale, config=cfg)
         ms = _ms(lambda cfg=cfg: attn_kernel(q, kv, idx, sink, scale, config=cfg))
-        _row("attn", f"triton {cfg or 'default'}", shape, "bf16", ms, flops=flops,
-             maxdiff=_maxdiff(out, ref))
+        _row(
+            "attn",
+            f"triton {cfg or 'default'}",
+            shape,
+            "bf16",
+            ms,
+            flops=flops,
+            maxdiff=_maxdiff(out, ref),
+        )
     # V4.1-like rows: early rows see few top-k entries (-1 elsewhere).
     top = kk - _pick(128, 16)
     p = torch.arange(t, device=DEV) * 4
@@ -221,8 +309,15 @@ def bench_attention(sweep: bool) -> None:
     idx_v41 = torch.cat([torch.where(mask, idx[:, :top], -1), idx[:, top:]], 1).contiguous()
     ms = _ms(lambda: attn_kernel(q, kv, idx_v41, sink, scale))
     valid = (idx_v41 >= 0).sum().item()
-    _row("attn", "triton default, V4.1 -1 rows", shape, "bf16", ms,
-         flops=2.0 * h * valid * 2 * d, flops_counted="valid indices")
+    _row(
+        "attn",
+        "triton default, V4.1 -1 rows",
+        shape,
+        "bf16",
+        ms,
+        flops=2.0 * h * valid * 2 * d,
+        flops_counted="valid indices",
+    )
     try:
         import flash_mla
     except Exception as exc:  # the peer is optional
@@ -231,17 +326,34 @@ def bench_attention(sweep: bool) -> None:
     kv3, idx3 = kv[:, None, :], idx[:, None, :]
 
     def peer() -> torch.Tensor:
-        return flash_mla.flash_mla_sparse_fwd(q, kv3, idx3, scale, d, attn_sink=sink,
-                                              use_legacy=True)[0]
+        return flash_mla.flash_mla_sparse_fwd(
+            q, kv3, idx3, scale, d, attn_sink=sink, use_legacy=True
+        )[0]
 
     out = peer()
-    _row("attn", "FlashMLA sparse_fwd (legacy)", shape, "bf16", _ms(peer), flops=flops,
-         maxdiff=_maxdiff(out, ref))
+    _row(
+        "attn",
+        "FlashMLA sparse_fwd (legacy)",
+        shape,
+        "bf16",
+        _ms(peer),
+        flops=flops,
+        maxdiff=_maxdiff(out, ref),
+    )
     idx3b = idx_v41[:, None, :]
-    _row("attn", "FlashMLA, V4.1 -1 rows", shape, "bf16",
-         _ms(lambda: flash_mla.flash_mla_sparse_fwd(q, kv3, idx3b, scale, d, attn_sink=sink,
-                                                    use_legacy=True)[0]),
-         flops=2.0 * h * valid * 2 * d, flops_counted="valid indices")
+    _row(
+        "attn",
+        "FlashMLA, V4.1 -1 rows",
+        shape,
+        "bf16",
+        _ms(
+            lambda: flash_mla.flash_mla_sparse_fwd(
+                q, kv3, idx3b, scale, d, attn_sink=sink, use_legacy=True
+            )[0]
+        ),
+        flops=2.0 * h * valid * 2 * d,
+        flops_counted="valid indices",
+    )
 
 
 def bench_rows() -> None:
@@ -263,17 +375,39 @@ def _swa_case(t: int, d: int, dr: int, wgt: torch.Tensor) -> None:
     store_swa_k(x, pos, slots, cache, wgt, 1e-20, dr, 10000.0, None)
     nbytes = 2.0 * t * d * 2 + 16.0 * t
     shape = f"T={t} D={d} rope={dr}"
-    _row("swa_store", "ops twin", shape, "bf16",
-         _ms(lambda: ops.store_swa_k(x, pos, slots, ref, wgt, 1e-20, dr, 10000.0, None)),
-         nbytes=nbytes)
-    _row("swa_store", "triton fused", shape, "bf16",
-         _ms(lambda: store_swa_k(x, pos, slots, cache, wgt, 1e-20, dr, 10000.0, None)),
-         nbytes=nbytes, maxdiff=_maxdiff(cache, ref),
-         eager_ms=_ms_eager(lambda: store_swa_k(x, pos, slots, cache, wgt, 1e-20, dr, 1e4, None)))
+    _row(
+        "swa_store",
+        "ops twin",
+        shape,
+        "bf16",
+        _ms(lambda: ops.store_swa_k(x, pos, slots, ref, wgt, 1e-20, dr, 10000.0, None)),
+        nbytes=nbytes,
+    )
+    _row(
+        "swa_store",
+        "triton fused",
+        shape,
+        "bf16",
+        _ms(lambda: store_swa_k(x, pos, slots, cache, wgt, 1e-20, dr, 10000.0, None)),
+        nbytes=nbytes,
+        maxdiff=_maxdiff(cache, ref),
+        eager_ms=_ms_eager(lambda: store_swa_k(x, pos, slots, cache, wgt, 1e-20, dr, 1e4, None)),
+    )
     for cfg in ROWS_SWEEP if SWEEP and t > _pick(8192, 1) else []:
+
         def run(cfg: tuple[int, int] = cfg) -> None:
-            norm_rope_rows(x, cache, positions=pos, rope_dim=dr, theta=1e4, yarn=None,
-                           norm_weight=wgt, eps=1e-20, slots=slots, config=cfg)
+            norm_rope_rows(
+                x,
+                cache,
+                positions=pos,
+                rope_dim=dr,
+                theta=1e4,
+                yarn=None,
+                norm_weight=wgt,
+                eps=1e-20,
+                slots=slots,
+                config=cfg,
+            )
 
         _row("swa_store", f"triton rows/warps {cfg}", shape, "bf16", _ms(run), nbytes=nbytes)
 
@@ -295,10 +429,19 @@ def _compress_case(n: int, d: int, dr: int, wgt: torch.Tensor) -> None:
     nbytes = 4.0 * n * d * 4 + 2.0 * n * d * 2 + 16.0 * n
     _row("compress2", "ops twin", shape, "fp32->bf16", _ms(twin_r2), nbytes=nbytes)
     lat = compress_store(kv, g, pkv, pg, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN)
-    _row("compress2", "triton fused", shape, "fp32->bf16",
-         _ms(lambda: compress_store(kv, g, pkv, pg, pos, slots, cache, wgt, 1e-20, dr,
-                                    160000.0, YARN)),
-         nbytes=nbytes, maxdiff=max(_maxdiff(lat, ref_lat), _maxdiff(cache, ref_cache)))
+    _row(
+        "compress2",
+        "triton fused",
+        shape,
+        "fp32->bf16",
+        _ms(
+            lambda: compress_store(
+                kv, g, pkv, pg, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN
+            )
+        ),
+        nbytes=nbytes,
+        maxdiff=max(_maxdiff(lat, ref_lat), _maxdiff(cache, ref_cache)),
+    )
     kvb = kv.bfloat16()
     nbytes1 = 2.0 * n * d + 2.0 * n * d * 2 + 16.0 * n
 
@@ -308,19 +451,38 @@ def _compress_case(n: int, d: int, dr: int, wgt: torch.Tensor) -> None:
         return lat
 
     _row("compress1", "ops twin", shape, "bf16", _ms(twin_r1), nbytes=nbytes1)
-    _row("compress1", "triton fused", shape, "bf16",
-         _ms(lambda: compress_store(kvb, None, None, None, pos, slots, cache, wgt, 1e-20, dr,
-                                    160000.0, YARN)), nbytes=nbytes1)
+    _row(
+        "compress1",
+        "triton fused",
+        shape,
+        "bf16",
+        _ms(
+            lambda: compress_store(
+                kvb, None, None, None, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN
+            )
+        ),
+        nbytes=nbytes1,
+    )
     wk = (torch.randn(128, d, device=DEV) / 20).bfloat16()
     kn = torch.rand(128, device=DEV) + 0.5
     latb = lat.contiguous()
     ref_ik = ops.index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)
-    _row("index_key", "ops twin", f"n={n} {d}->128", "bf16",
-         _ms(lambda: ops.index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)))
+    _row(
+        "index_key",
+        "ops twin",
+        f"n={n} {d}->128",
+        "bf16",
+        _ms(lambda: ops.index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)),
+    )
     out = index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)
-    _row("index_key", "cuBLAS + triton norm/rope", f"n={n} {d}->128", "bf16",
-         _ms(lambda: index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)),
-         maxdiff=_maxdiff(out, ref_ik))
+    _row(
+        "index_key",
+        "cuBLAS + triton norm/rope",
+        f"n={n} {d}->128",
+        "bf16",
+        _ms(lambda: index_key(latb, wk, kn, 1e-20, pos, dr, 160000.0, YARN)),
+        maxdiff=_maxdiff(out, ref_ik),
+    )
 
 
 SECTIONS = {
@@ -337,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="time several kernel configs")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
+    )
     args = parser.parse_args(argv)
     global DEV, SMALL, SWEEP
     SWEEP = args.sweep
@@ -349,8 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
-    print(f"GPU: {gpu}  torch {torch.__version__}  shapes as printed; dtypes per row",
-          flush=True)
+    print(f"GPU: {gpu}  torch {torch.__version__}  shapes as printed; dtypes per row", flush=True)
     failures = {}
     for name in args.only.split(","):
         try:

@@ -38,8 +38,11 @@ LAYERS = (2, 3, 20, 21, 24)  # r2 kv+index source, r2 reuse, r1 candidate source
 def build_layers(cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype):
     layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device="cuda") for i in ids}
     # One CUDA generator across the layers, by checkpoint name (the model's own init).
-    weights = {f"layers.{i}.attn.{n}": t for i, a in layers.items()
-               for n, t in a.checkpoint_weights().items()}
+    weights = {
+        f"layers.{i}.attn.{n}": t
+        for i, a in layers.items()
+        for n, t in a.checkpoint_weights().items()
+    }
     init_random_(weights, cfg, 0, device="cuda")
     return layers
 
@@ -141,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             layers[i].prepare(x, ctx)
         for i in ids:
             want_png = args.png and not png_done and (tokens == 2048 or tokens == toks[-1])
-            row = measure(
-                layers[i], ctx, x, args.iters, args.png if want_png else None, executors
-            )
+            row = measure(layers[i], ctx, x, args.iters, args.png if want_png else None, executors)
             png_done = png_done or bool(want_png)
             rows.append(row)
             table.add(row)

@@ -11,8 +11,22 @@ from dsv4cp.cli import main
 
 
 def test_check_json_passes_and_reports_every_layer(capsys: pytest.CaptureFixture) -> None:
-    rc = main(["check", "--cp", "3", "--cp-backend", "fake", "--lens", "5,40", "--prefix", "0,7",
-               "--chunk", "9", "--json"])
+    rc = main(
+        [
+            "check",
+            "--cp",
+            "3",
+            "--cp-backend",
+            "fake",
+            "--lens",
+            "5,40",
+            "--prefix",
+            "0,7",
+            "--chunk",
+            "9",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["pass"] and out["cp"] == 3
     rep = out["variants"]["serial"]
@@ -24,19 +38,23 @@ def test_check_fails_when_tolerance_is_impossible(capsys: pytest.CaptureFixture)
     # A fake-CP run differs from CP=1 by ~1e-7 (thread-count-dependent GEMM blocking): a
     # tolerance of 0 must report it. (Exact equality would make this test meaningless, so it
     # also accepts the rare bit-identical run by checking what was reported.)
-    rc = main(["check", "--cp", "2", "--cp-backend", "fake", "--lens", "40", "--tol", "0",
-               "--json"])
+    rc = main(
+        ["check", "--cp", "2", "--cp-backend", "fake", "--lens", "40", "--tol", "0", "--json"]
+    )
     out = json.loads(capsys.readouterr().out)
     worst = max(out["variants"]["serial"]["layers_max_rel"].values())
     assert (rc == 1) == (worst > 0) and out["pass"] == (worst == 0)
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["check", "--lens", "5", "--prefix", "5"], "prefix 5 must be in"),
-    (["check", "--multistream"], "need --device cuda"),
-    (["demo", "--graphs"], "need --device cuda"),
-    (["profile", "--graphs"], "need --device cuda"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["check", "--lens", "5", "--prefix", "5"], "prefix 5 must be in"),
+        (["check", "--multistream"], "need --device cuda"),
+        (["demo", "--graphs"], "need --device cuda"),
+        (["profile", "--graphs"], "need --device cuda"),
+    ],
+)
 def test_bad_arguments_exit_2(argv, msg, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
@@ -48,8 +66,24 @@ def test_cp_must_be_positive() -> None:
 
 
 def test_demo_runs(capsys: pytest.CaptureFixture) -> None:
-    assert main(["demo", "--cp", "2", "--cp-backend", "fake", "--lens", "20,33", "--prefix",
-                 "0,9", "--chunk", "16"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--cp",
+                "2",
+                "--cp-backend",
+                "fake",
+                "--lens",
+                "20,33",
+                "--prefix",
+                "0,9",
+                "--chunk",
+                "16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "PASS" in out and "Where the time goes, CP=1" in out and "sparse_attention" in out
 

@@ -131,11 +131,26 @@ def test_missing_fields_and_bad_rope_scaling() -> None:
 
 # ---------------------------------------------------------------- the whole released config
 CONTRACT_FIELDS = (
-    "hc_mult", "hc_sinkhorn_iters", "hc_eps", "n_routed_experts", "n_shared_experts",
-    "num_experts_per_tok", "moe_intermediate_size", "scoring_func", "routed_scaling_factor",
-    "swiglu_limit", "norm_topk_prob", "gate_temp", "engram_layer_ids", "engram_max_ngram_size",
-    "engram_vocab_size", "engram_n_heads", "engram_head_dim", "engram_pad_token_id",
-    "engram_compressed_vocab_size", "engram_num_embeddings",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "hc_eps",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "scoring_func",
+    "routed_scaling_factor",
+    "swiglu_limit",
+    "norm_topk_prob",
+    "gate_temp",
+    "engram_layer_ids",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
+    "engram_num_embeddings",
 )
 
 
@@ -155,12 +170,16 @@ def test_from_hf_reads_the_whole_released_tiny_config() -> None:
     for name in CONTRACT_FIELDS:
         assert name in text, name
     assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position == 32
-    assert cfg.quantization == QuantizationConfig(weight_block_size=(32, 32), scale_fmt="ue8m0",
-                                                  expert_dtype="fp4")
+    assert cfg.quantization == QuantizationConfig(
+        weight_block_size=(32, 32), scale_fmt="ue8m0", expert_dtype="fp4"
+    )
     assert cfg.vision_config == raw["vision_config"]
     assert cfg.num_nextn_predict_layers == 3 and len(cfg.compress_ratios) == 10
-    assert [r.name for r in cfg.layer_roles()][:3] == ["swa", "r2+kv_source+index_source",
-                                                        "r2+reuse_topk"]
+    assert [r.name for r in cfg.layer_roles()][:3] == [
+        "swa",
+        "r2+kv_source+index_source",
+        "r2+reuse_topk",
+    ]
 
 
 def test_unused_fields_are_fields_listed_once() -> None:
@@ -178,22 +197,36 @@ def test_attention_only_config_switches_the_other_parts_off() -> None:
 
 # The reference's flat inference/config.json names → HF text_config names (same name if absent).
 REFERENCE_NAMES = {
-    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-    "moe_inter_dim": "moe_intermediate_size", "n_activated_experts": "num_experts_per_tok",
-    "score_func": "scoring_func", "route_scale": "routed_scaling_factor",
-    "rope_head_dim": "qk_rope_head_dim", "norm_eps": "rms_norm_eps",
-    "window_size": "sliding_window", "kv_source_layers": "kv_source_layer_ids",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "rope_head_dim": "qk_rope_head_dim",
+    "norm_eps": "rms_norm_eps",
+    "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids",
     "index_source_layers": "index_source_layer_ids",
-    "candidate_source_layer": "candidate_source_layer_id", "engram_pad_id": "engram_pad_token_id",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "engram_pad_id": "engram_pad_token_id",
     "n_mtp_layers": "num_nextn_predict_layers",
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
-REFERENCE_ROPE = {"rope_factor": "factor", "original_seq_len": "original_max_position",
-                  "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
+REFERENCE_ROPE = {
+    "rope_factor": "factor",
+    "original_seq_len": "original_max_position",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+}
 REFERENCE_VISION = {
-    "vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size",
-    "vision_n_heads": "num_attention_heads", "vision_inter_dim": "intermediate_size",
-    "vision_patch_size": "patch_size", "vision_downsample_ratio": "downsample_ratio",
+    "vision_n_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_downsample_ratio": "downsample_ratio",
     "vision_rope_theta": "rope_theta",
 }
 # Image-preprocessing limits the HF vision_config does not carry.
@@ -248,8 +281,10 @@ BAD_VALUES = [
     (dict(q_head_norm=1), "q_head_norm"),
     (dict(scoring_func="relu"), "scoring_func"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(n_routed_experts=8, num_experts_per_tok=9, moe_intermediate_size=64),
-     "num_experts_per_tok"),
+    (
+        dict(n_routed_experts=8, num_experts_per_tok=9, moe_intermediate_size=64),
+        "num_experts_per_tok",
+    ),
     (dict(n_routed_experts=8, num_experts_per_tok=2), "moe_intermediate_size"),
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(gate_temp=-1.0), "gate_temp"),
@@ -259,12 +294,29 @@ BAD_VALUES = [
     (dict(engram_layer_ids=(0, 6), engram_num_embeddings=(10, 10)), "engram_layer_ids"),
     (dict(engram_layer_ids=(1, 0), engram_num_embeddings=(10, 10)), "engram_layer_ids"),
     (dict(engram_layer_ids=(0, 1), engram_num_embeddings=(10,)), "engram_num_embeddings"),
-    (dict(engram_layer_ids=(0,), engram_num_embeddings=(10,), engram_max_ngram_size=3,
-          engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=67),
-     "engram_vocab_size"),
-    (dict(engram_layer_ids=(0,), engram_num_embeddings=(10,), engram_max_ngram_size=1,
-          engram_vocab_size=100, engram_n_heads=2, engram_head_dim=32,
-          engram_compressed_vocab_size=67), "engram_max_ngram_size"),
+    (
+        dict(
+            engram_layer_ids=(0,),
+            engram_num_embeddings=(10,),
+            engram_max_ngram_size=3,
+            engram_n_heads=2,
+            engram_head_dim=32,
+            engram_compressed_vocab_size=67,
+        ),
+        "engram_vocab_size",
+    ),
+    (
+        dict(
+            engram_layer_ids=(0,),
+            engram_num_embeddings=(10,),
+            engram_max_ngram_size=1,
+            engram_vocab_size=100,
+            engram_n_heads=2,
+            engram_head_dim=32,
+            engram_compressed_vocab_size=67,
+        ),
+        "engram_max_ngram_size",
+    ),
     (dict(num_nextn_predict_layers=1), "compress_ratios"),
     (dict(dspark_target_layer_ids=(6,)), "dspark_target_layer_ids"),
     (dict(dspark_n_routed_experts=2, dspark_num_experts_per_tok=3), "dspark_num_experts_per_tok"),
@@ -288,10 +340,15 @@ def test_missing_or_bad_rope_fields_name_the_field() -> None:
     rope = text["rope_scaling"]
     for key in ("factor", "original_max_position_embeddings"):
         with pytest.raises(ValueError, match=f"rope_scaling.{key}: required"):
-            DeepseekV41Config.from_hf({**text, "rope_scaling": {
-                k: v for k, v in rope.items() if k != key}})
-    for key, value in (("factor", 0), ("factor", "16"), ("original_max_position_embeddings", 3.5),
-                       ("beta_fast", None)):
+            DeepseekV41Config.from_hf(
+                {**text, "rope_scaling": {k: v for k, v in rope.items() if k != key}}
+            )
+    for key, value in (
+        ("factor", 0),
+        ("factor", "16"),
+        ("original_max_position_embeddings", 3.5),
+        ("beta_fast", None),
+    ):
         with pytest.raises(ValueError, match=f"rope_scaling.{key}"):
             DeepseekV41Config.from_hf({**text, "rope_scaling": {**rope, key: value}})
     with pytest.raises(ValueError, match="rope_theta"):
@@ -301,19 +358,25 @@ def test_missing_or_bad_rope_fields_name_the_field() -> None:
 def test_bad_quantization_config_names_the_key() -> None:
     raw = json.loads(TINY_RELEASED.read_text())
     q = raw["quantization_config"]
-    for change, key in (({"weight_block_size": [32]}, "weight_block_size"),
-                        ({"weight_block_size": [32, 0]}, "weight_block_size"),
-                        ({"scale_fmt": "e4m3"}, "scale_fmt"),
-                        ({"expert_dtype": "int4"}, "expert_dtype"),
-                        ({"block": 1}, "unknown keys")):
+    for change, key in (
+        ({"weight_block_size": [32]}, "weight_block_size"),
+        ({"weight_block_size": [32, 0]}, "weight_block_size"),
+        ({"scale_fmt": "e4m3"}, "scale_fmt"),
+        ({"expert_dtype": "int4"}, "expert_dtype"),
+        ({"block": 1}, "unknown keys"),
+    ):
         with pytest.raises(ValueError, match=f"quantization_config.*{key}"):
             DeepseekV41Config.from_hf({**raw, "quantization_config": {**q, **change}})
 
 
 def test_roles_module_is_the_config_roles() -> None:
     cfg = DeepseekV41Config.flash()
-    roles = layer_roles(cfg.layer_ratios, cfg.kv_source_layer_ids, cfg.index_source_layer_ids,
-                        cfg.candidate_source_layer_id)
+    roles = layer_roles(
+        cfg.layer_ratios,
+        cfg.kv_source_layer_ids,
+        cfg.index_source_layer_ids,
+        cfg.candidate_source_layer_id,
+    )
     assert roles == tuple(cfg.layer_roles()) and isinstance(roles[0], LayerRole)
     with pytest.raises(IndexError):
         cfg.layer_role(40)

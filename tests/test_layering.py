@@ -169,4 +169,3 @@ def test_the_checks_can_fail() -> None:
     assert _allows("dsv4cp.layers.attention", "dsv4cp.observe.timing", members, allowed)
     assert _room_of("dsv4cp", members) == "package"
     assert _room_of("dsv4cp.cli", members) == "commands"
-

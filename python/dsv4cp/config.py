@@ -39,13 +39,25 @@ ACTIVATIONS = ("silu",)
 # Parsed and validated, not used by dsv4cp yet: text prefill runs no DSpark draft (MTP) layers
 # and no vision tower.
 UNUSED_FIELDS = (
-    "num_nextn_predict_layers", "dspark_block_size", "dspark_noise_token_id",
-    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts",
-    "dspark_num_experts_per_tok", "image_token_id", "vision_config",
+    "num_nextn_predict_layers",
+    "dspark_block_size",
+    "dspark_noise_token_id",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+    "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok",
+    "image_token_id",
+    "vision_config",
 )
 
-_VISION_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                 "patch_size", "downsample_ratio")
+_VISION_SIZES = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "patch_size",
+    "downsample_ratio",
+)
 
 
 @dataclass(frozen=True)
@@ -135,23 +147,34 @@ class DeepseekV41Config:
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         if self.num_key_value_heads != 1:
-            raise bad_field("num_key_value_heads", f"V4.1 attention is MQA (1), got "
-                            f"{self.num_key_value_heads}")
+            raise bad_field(
+                "num_key_value_heads", f"V4.1 attention is MQA (1), got {self.num_key_value_heads}"
+            )
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise bad_field("qk_rope_head_dim", "must be even and at most head_dim")
         if self.qk_rope_head_dim > self.index_head_dim:
             raise bad_field("index_head_dim", "must be >= qk_rope_head_dim (RoPE on its tail)")
         if self.num_attention_heads % self.o_groups:
-            raise bad_field("o_groups", f"num_attention_heads={self.num_attention_heads} is not "
-                            f"divisible by o_groups={self.o_groups}")
+            raise bad_field(
+                "o_groups",
+                f"num_attention_heads={self.num_attention_heads} is not "
+                f"divisible by o_groups={self.o_groups}",
+            )
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n + self.num_nextn_predict_layers:
-            raise bad_field("compress_ratios", f"has {len(self.compress_ratios)} entries for "
-                            f"num_hidden_layers={n} + num_nextn_predict_layers="
-                            f"{self.num_nextn_predict_layers}")
+            raise bad_field(
+                "compress_ratios",
+                f"has {len(self.compress_ratios)} entries for "
+                f"num_hidden_layers={n} + num_nextn_predict_layers="
+                f"{self.num_nextn_predict_layers}",
+            )
         try:
-            roles = layer_roles(self.layer_ratios, self.kv_source_layer_ids,
-                                self.index_source_layer_ids, self.candidate_source_layer_id)
+            roles = layer_roles(
+                self.layer_ratios,
+                self.kv_source_layer_ids,
+                self.index_source_layer_ids,
+                self.candidate_source_layer_id,
+            )
         except ValueError as e:
             raise ValueError(f"DeepseekV41Config.{e}") from None
         object.__setattr__(self, "roles", roles)
@@ -167,28 +190,40 @@ class DeepseekV41Config:
         if self.candidate_source_layer_id < 0:
             return
         if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
-            raise bad_field("candidate_topk_blocks", "candidate_topk_blocks and "
-                            "candidate_block_size must be >= 1 when a candidate source is set")
+            raise bad_field(
+                "candidate_topk_blocks",
+                "candidate_topk_blocks and "
+                "candidate_block_size must be >= 1 when a candidate source is set",
+            )
         capacity = (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1
         if capacity < self.index_topk:
-            raise bad_field("index_topk", f"index_topk={self.index_topk} is larger than the "
-                            "compressed candidate capacity (candidate_topk_blocks-1)*"
-                            f"candidate_block_size+1={capacity}")
+            raise bad_field(
+                "index_topk",
+                f"index_topk={self.index_topk} is larger than the "
+                "compressed candidate capacity (candidate_topk_blocks-1)*"
+                f"candidate_block_size+1={capacity}",
+            )
 
     def _check_moe(self) -> None:
         if self.n_routed_experts == 0:
             return
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
-            raise bad_field("num_experts_per_tok", f"must be in [1, n_routed_experts="
-                            f"{self.n_routed_experts}], got {self.num_experts_per_tok}")
+            raise bad_field(
+                "num_experts_per_tok",
+                f"must be in [1, n_routed_experts="
+                f"{self.n_routed_experts}], got {self.num_experts_per_tok}",
+            )
         if self.moe_intermediate_size < 1:
             raise bad_field("moe_intermediate_size", "must be positive when n_routed_experts > 0")
 
     def _check_layer_ids(self, name: str) -> None:
         ids = getattr(self, name)
         if list(ids) != sorted(set(ids)) or any(i >= self.num_hidden_layers for i in ids):
-            raise bad_field(name, f"must be strictly increasing layer ids in 0.."
-                            f"{self.num_hidden_layers - 1}, got {list(ids)}")
+            raise bad_field(
+                name,
+                f"must be strictly increasing layer ids in 0.."
+                f"{self.num_hidden_layers - 1}, got {list(ids)}",
+            )
 
     def _check_engram(self) -> None:
         self._check_layer_ids("engram_layer_ids")
@@ -196,10 +231,17 @@ class DeepseekV41Config:
         if not ids and not tables:
             return
         if len(tables) != len(ids) or 0 in tables:
-            raise bad_field("engram_num_embeddings", f"must hold one positive table size per layer "
-                            f"of engram_layer_ids {list(ids)}, got {list(tables)}")
-        for name in ("engram_vocab_size", "engram_n_heads", "engram_head_dim",
-                     "engram_compressed_vocab_size"):
+            raise bad_field(
+                "engram_num_embeddings",
+                f"must hold one positive table size per layer "
+                f"of engram_layer_ids {list(ids)}, got {list(tables)}",
+            )
+        for name in (
+            "engram_vocab_size",
+            "engram_n_heads",
+            "engram_head_dim",
+            "engram_compressed_vocab_size",
+        ):
             if getattr(self, name) < 1:
                 raise bad_field(name, "must be positive when engram_layer_ids is set")
         if self.engram_max_ngram_size < 2:
@@ -272,8 +314,11 @@ class DeepseekV41Config:
         if self.rope_scaling is not None:
             text["rope_scaling"] = self.rope_scaling.to_hf()
         text["model_type"] = "deepseek_v41_text"
-        out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"],
-                               "model_type": "deepseek_v41", "text_config": text}
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV41ForCausalLM"],
+            "model_type": "deepseek_v41",
+            "text_config": text,
+        }
         if self.quantization is not None:
             out["quantization_config"] = self.quantization.to_hf()
         if self.vision_config is not None:

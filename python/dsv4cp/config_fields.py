@@ -11,8 +11,12 @@ SIZE, COUNT, LAYER = "size", "count", "layer"
 POS, NONNEG, FLAG, IDS = "pos", "nonneg", "flag", "ids"
 _INT_MIN = {SIZE: 1, COUNT: 0, LAYER: -1}
 _WHAT = {
-    SIZE: "a positive integer", COUNT: "a non-negative integer", LAYER: "a layer id or -1",
-    POS: "a positive number", NONNEG: "a non-negative number", FLAG: "true or false",
+    SIZE: "a positive integer",
+    COUNT: "a non-negative integer",
+    LAYER: "a layer id or -1",
+    POS: "a positive number",
+    NONNEG: "a non-negative number",
+    FLAG: "true or false",
     IDS: "a list of non-negative integers",
 }
 

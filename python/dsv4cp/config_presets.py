@@ -105,6 +105,7 @@ FLASH: dict[str, Any] = dict(
         downsample_ratio=3,
         rope_theta=10000.0,
     ),
-    quantization=QuantizationConfig(weight_block_size=(32, 32), scale_fmt="ue8m0",
-                                    expert_dtype="fp4"),
+    quantization=QuantizationConfig(
+        weight_block_size=(32, 32), scale_fmt="ue8m0", expert_dtype="fp4"
+    ),
 )

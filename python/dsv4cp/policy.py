@@ -73,9 +73,10 @@ class MultistreamPolicy:
         elif self.mode != "auto":
             use, why = self.mode == "on", f"forced {self.mode}"
         elif not graphs and local_tokens < self.min_tokens_eager:
-            use, why = False, (
-                f"eager, {local_tokens} local tokens < {self.min_tokens_eager}: launch overhead "
-                "outweighs the overlap"
+            use = False
+            why = (
+                f"eager, {local_tokens} local tokens < {self.min_tokens_eager}: "
+                "launch overhead outweighs the overlap"
             )
         elif not graphs:
             use, why = True, f"eager, {local_tokens} local tokens >= {self.min_tokens_eager}"

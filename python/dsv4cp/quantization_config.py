@@ -23,8 +23,11 @@ class QuantizationConfig:
 
     def __post_init__(self) -> None:
         b = self.weight_block_size
-        if (not isinstance(b, (tuple, list)) or len(b) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)):
+        if (
+            not isinstance(b, (tuple, list))
+            or len(b) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)
+        ):
             raise ValueError(
                 f"quantization_config.weight_block_size: must be two positive integers, got {b!r}"
             )
@@ -48,8 +51,13 @@ class QuantizationConfig:
             return None
         if not isinstance(raw, dict):
             raise ValueError(f"quantization_config: must be a dict, got {type(raw).__name__}")
-        known = {"weight_block_size", "scale_fmt", "expert_dtype", "quant_method",
-                 "activation_scheme"}
+        known = {
+            "weight_block_size",
+            "scale_fmt",
+            "expert_dtype",
+            "quant_method",
+            "activation_scheme",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"quantization_config: unknown keys {unknown}")

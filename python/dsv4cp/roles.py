@@ -59,15 +59,19 @@ def _nearest(ids: tuple[int, ...], ratios: tuple[int, ...], i: int, r: int) -> i
 
 
 def _check_wiring(
-    ratios: tuple[int, ...], kv_sources: tuple[int, ...], index_sources: tuple[int, ...],
+    ratios: tuple[int, ...],
+    kv_sources: tuple[int, ...],
+    index_sources: tuple[int, ...],
     candidate_source: int,
 ) -> None:
     """ValueError starting with the config field at fault."""
     n = len(ratios)
     for i, r in enumerate(ratios):
         if r not in SUPPORTED_RATIOS:
-            raise ValueError(f"compress_ratios: layer {i} has ratio {r}; V4.1 supports "
-                             f"{SUPPORTED_RATIOS} (ratios 4 and 128 are DeepSeek-V4, not V4.1)")
+            raise ValueError(
+                f"compress_ratios: layer {i} has ratio {r}; V4.1 supports "
+                f"{SUPPORTED_RATIOS} (ratios 4 and 128 are DeepSeek-V4, not V4.1)"
+            )
     sources = (("kv_source_layer_ids", kv_sources), ("index_source_layer_ids", index_sources))
     for name, ids in sources:
         if list(ids) != sorted(set(ids)):
@@ -79,14 +83,19 @@ def _check_wiring(
                 raise ValueError(f"{name}: layer {i} is not a compressed layer (ratio 0)")
     for i in kv_sources:
         if i not in index_sources:
-            raise ValueError(f"index_source_layer_ids: kv source layer {i} must also be an index "
-                             "source (it owns index K)")
+            raise ValueError(
+                f"index_source_layer_ids: kv source layer {i} must also be an index "
+                "source (it owns index K)"
+            )
     for i, r in enumerate(ratios):
-        for name, ids, what in (("kv_source_layer_ids", kv_sources, "kv source"),
-                                ("index_source_layer_ids", index_sources, "index source")):
+        for name, ids, what in (
+            ("kv_source_layer_ids", kv_sources, "kv source"),
+            ("index_source_layer_ids", index_sources, "index source"),
+        ):
             if r and _nearest(ids, ratios, i, r) is None:
-                raise ValueError(f"{name}: layer {i} (ratio {r}) has no {what} of ratio {r} at or "
-                                 "before it")
+                raise ValueError(
+                    f"{name}: layer {i} (ratio {r}) has no {what} of ratio {r} at or before it"
+                )
     c = candidate_source
     if c >= 0 and (c >= n or c not in index_sources):
         raise ValueError(f"candidate_source_layer_id: layer {c} is not an index source")
@@ -109,7 +118,10 @@ def layer_roles(
 
 
 def _role(
-    i: int, ratios: tuple[int, ...], kv_sources: tuple[int, ...], index_sources: tuple[int, ...],
+    i: int,
+    ratios: tuple[int, ...],
+    kv_sources: tuple[int, ...],
+    index_sources: tuple[int, ...],
     c: int,
 ) -> LayerRole:
     r = ratios[i]

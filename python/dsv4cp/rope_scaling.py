@@ -51,8 +51,9 @@ class YarnScaling:
                 f"rope_scaling.original_max_position_embeddings: must be a positive integer, "
                 f"got {omp!r}"
             )
-        return cls(float(values["factor"]), omp, float(values["beta_fast"]),
-                   float(values["beta_slow"]))
+        return cls(
+            float(values["factor"]), omp, float(values["beta_fast"]), float(values["beta_slow"])
+        )
 
     def to_hf(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": "yarn", "rope_type": "yarn"}

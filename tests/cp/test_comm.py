@@ -233,8 +233,12 @@ def test_new_cp_group_without_world() -> None:
 # ---- gloo (spawned processes) ----------------------------------------------------------------
 def _gloo_worker(group: TorchDistCPGroup) -> dict:
     cp = group.cp_size
-    out: dict = {"rank": group.rank, "cp": cp, "backend": group.backend,
-                 "check_shapes": group.check_shapes}
+    out: dict = {
+        "rank": group.rank,
+        "cp": cp,
+        "backend": group.backend,
+        "check_shapes": group.check_shapes,
+    }
     ok = []
     for got, dt in zip(_gather_dtypes(group), DTYPES):
         want = torch.cat([_rank_tensor(r, 2, dt) for r in range(cp)])

@@ -107,9 +107,7 @@ def _different_batches(group):  # noqa: ANN001
     from dsv4cp.model import DeepseekV41Model
     from dsv4cp.runner import PrefillRunner
 
-    runner = PrefillRunner(
-        DeepseekV41Model(DeepseekV41Config.tiny()), cp=group, num_slots=256
-    )
+    runner = PrefillRunner(DeepseekV41Model(DeepseekV41Config.tiny()), cp=group, num_slots=256)
     return runner.prefill({"a": [1, 2, 3 + group.rank]})
 
 

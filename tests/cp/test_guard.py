@@ -105,8 +105,9 @@ def test_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- fake world ------------------------------------------------------------------------------
 def _swapped_order(group: CPGroup) -> None:
     group.all_gather(torch.zeros(4, 8), tag="layer0/kv_raw")  # agree on the first one
-    first, second = ("layer1/kv_raw", "layer1/x") if group.rank == 0 else ("layer1/x",
-                                                                            "layer1/kv_raw")
+    first, second = (
+        ("layer1/kv_raw", "layer1/x") if group.rank == 0 else ("layer1/x", "layer1/kv_raw")
+    )
     group.all_gather(torch.zeros(4, 8), tag=first)
     group.all_gather(torch.zeros(4, 8), tag=second)
 

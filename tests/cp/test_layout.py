@@ -53,8 +53,24 @@ def test_worked_example_bcg_3_2() -> None:
     assert lay.local_token_ids(1).tolist() == [1, 5, 9, -1]
     assert lay.local_token_ids(2).tolist() == [2, 6, -1, -1]
     assert lay.local_token_ids(3).tolist() == [3, 7, -1, -1]
-    assert lay.gathered_token_ids().tolist() == [0, 4, 8, -1, 1, 5, 9, -1, 2, 6, -1, -1,
-                                                 3, 7, -1, -1]
+    assert lay.gathered_token_ids().tolist() == [
+        0,
+        4,
+        8,
+        -1,
+        1,
+        5,
+        9,
+        -1,
+        2,
+        6,
+        -1,
+        -1,
+        3,
+        7,
+        -1,
+        -1,
+    ]
     assert lay.rerange_index.tolist() == [0, 4, 8, 12, 1, 5, 9, 13, 2, 6]
     x = torch.arange(10)
     assert lay.unshard(lay.rank_major(x, pad_value=-1)).tolist() == list(range(10))

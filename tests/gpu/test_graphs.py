@@ -37,8 +37,9 @@ def _run(group, multistream: bool):  # noqa: ANN001
     cfg = DeepseekV41Config.tiny()
     model = DeepseekV41Model(cfg, device="cuda", seed=2)
     gcfg = GraphConfig(buckets=(16, 64), max_requests=4, max_context=256)
-    graphs = PrefillRunner(model, cp=group, multistream=multistream, num_slots=2048,
-                           max_context=512, graphs=gcfg)
+    graphs = PrefillRunner(
+        model, cp=group, multistream=multistream, num_slots=2048, max_context=512, graphs=gcfg
+    )
     eager = PrefillRunner(model, cp=group, num_slots=2048, max_context=512)
     diffs = []
     for i, (pre, chunk) in enumerate(STEPS):

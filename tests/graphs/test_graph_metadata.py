@@ -19,10 +19,12 @@ def _meta(runner: PrefillRunner, prompts: dict[str, list[int]]):
     res = [runner.alloc.reserve(k, len(v)) for k, v in items]
     for r in res:
         runner.alloc.write_table(r)
-    batch = PrefillBatch(tuple(RequestSlice(k, r.row, r.start, tuple(v))
-                               for (k, v), r in zip(items, res)))
-    meta = build_metadata(batch, runner.cache.req_to_token, [s for r in res for s in r.slots],
-                          runner.ratios)
+    batch = PrefillBatch(
+        tuple(RequestSlice(k, r.row, r.start, tuple(v)) for (k, v), r in zip(items, res))
+    )
+    meta = build_metadata(
+        batch, runner.cache.req_to_token, [s for r in res for s in r.slots], runner.ratios
+    )
     return meta, batch.input_ids("cpu"), res
 
 
@@ -61,8 +63,11 @@ def test_select_falls_back_when_nothing_fits() -> None:
     for b in (8, 32):
         from dsv4cp.graphs.runner import BucketGraph, BucketReport
 
-        gr.graphs[b] = BucketGraph(StaticBatch(b, gr.config, r.cache.req_to_token, r.ratios,
-                                               r.cp), None, BucketReport(b, 0, 0, 1))
+        gr.graphs[b] = BucketGraph(
+            StaticBatch(b, gr.config, r.cache.req_to_token, r.ratios, r.cp),
+            None,
+            BucketReport(b, 0, 0, 1),
+        )
     meta, _, _ = _meta(r, {"a": list(range(20))})
     assert gr.select(meta).static.bucket == 32
     meta2, _, _ = _meta(r, {"b": list(range(40))})
@@ -77,13 +82,20 @@ def _bucket_vs_eager(group, bucket: int):  # noqa: ANN001
         meta, ids, res = _meta(ref_runner, prompts)
         ref = ref_runner._eager(meta, ids)
         meta2, ids2, _ = _meta(pad_runner, prompts)
-        st = StaticBatch(bucket, GraphConfig(buckets=(bucket,), max_context=256),
-                         pad_runner.cache.req_to_token, pad_runner.ratios, group)
+        st = StaticBatch(
+            bucket,
+            GraphConfig(buckets=(bucket,), max_context=256),
+            pad_runner.cache.req_to_token,
+            pad_runner.ratios,
+            group,
+        )
         st.refresh(meta2, ids2)
         pad_runner.graph_runner = GraphRunner(GraphConfig(buckets=(bucket,)), group)
         got = pad_runner._graph_body(st)[: meta2.tokens.num_rows]
-    caches = [(k, v.clone(), pad_runner.cache.state_dict_view()[k])
-              for k, v in ref_runner.cache.state_dict_view().items()]
+    caches = [
+        (k, v.clone(), pad_runner.cache.state_dict_view()[k])
+        for k, v in ref_runner.cache.state_dict_view().items()
+    ]
     return ref, got, caches
 
 

@@ -161,9 +161,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         out = launch_mqa_logits(q, w, k, torch.tensor([n]), config=(16, 32, 4, 1))
         assert rel(out, logits64(q, w, k, torch.tensor([n]))) < 1e-5
         q, w = torch.randn(5, h, d), torch.randn(5, h)
-        out = launch_mqa_logits(
-            q, w, k, torch.zeros(5, dtype=torch.long), config=(16, 32, 4, 1)
-        )
+        out = launch_mqa_logits(q, w, k, torch.zeros(5, dtype=torch.long), config=(16, 32, 4, 1))
         assert torch.all(out == float("-inf"))
 
     def topk_in_registers():

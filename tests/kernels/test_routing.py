@@ -15,10 +15,23 @@ from dsv4cp.kernels.topk import check_topk
 
 # Every op the attention layer calls, routed or not: the door's promise.
 LAYER_OPS = (
-    "mqa_logits", "topk_indices", "sparse_attention", "store_swa_k", "pair_pool",
-    "compressed_latent", "compressed_key", "index_key", "rope_tail_", "rms_norm", "apply_rope",
-    "indexer_queries", "indexer_weights", "candidate_blocks", "topk_among_blocks",
-    "grouped_output", "linear_fp32",
+    "mqa_logits",
+    "topk_indices",
+    "sparse_attention",
+    "store_swa_k",
+    "pair_pool",
+    "compressed_latent",
+    "compressed_key",
+    "index_key",
+    "rope_tail_",
+    "rms_norm",
+    "apply_rope",
+    "indexer_queries",
+    "indexer_weights",
+    "candidate_blocks",
+    "topk_among_blocks",
+    "grouped_output",
+    "linear_fp32",
 )
 
 
@@ -50,14 +63,17 @@ def test_cpu_goes_to_ops() -> None:
     assert torch.equal(logits, ops.mqa_logits(q, w, k, nv))
     assert torch.equal(routing.topk_indices(logits, nv, 8), ops.topk_indices(logits, nv, 8))
     kv, idx, sink = torch.randn(30, 64), torch.randint(-1, 30, (5, 9)), torch.randn(4)
-    assert torch.equal(routing.sparse_attention(q, kv, idx, sink, 0.1),
-                       ops.sparse_attention(q, kv, idx, sink, 0.1))
+    assert torch.equal(
+        routing.sparse_attention(q, kv, idx, sink, 0.1), ops.sparse_attention(q, kv, idx, sink, 0.1)
+    )
     x, pos = torch.randn(5, 64).bfloat16(), torch.arange(5)
-    assert torch.equal(routing.swa_key(x, pos, None, 1e-6, 16, 1e4),
-                       ops.swa_key(x, pos, None, 1e-6, 16, 1e4))
+    assert torch.equal(
+        routing.swa_key(x, pos, None, 1e-6, 16, 1e4), ops.swa_key(x, pos, None, 1e-6, 16, 1e4)
+    )
     # Keyword-only calls route on the op's first parameter.
-    assert torch.equal(routing.pair_pool(kv=x, gate=x, partner_kv=x, partner_gate=x),
-                       ops.pair_pool(x, x, x, x))
+    assert torch.equal(
+        routing.pair_pool(kv=x, gate=x, partner_kv=x, partner_gate=x), ops.pair_pool(x, x, x, x)
+    )
 
 
 def test_env_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,12 +109,17 @@ def test_shape_limits_name_the_limit() -> None:
     with pytest.raises(ValueError, match="D_I must be a power of two"):
         check_mqa_logits(q, w, torch.randn(9, 96).bfloat16(), torch.ones(2))
     with pytest.raises(ValueError, match="H_I must be in"):
-        check_mqa_logits(torch.randn(2, 200, 64), torch.randn(2, 200), torch.randn(9, 64),
-                         torch.ones(2))
+        check_mqa_logits(
+            torch.randn(2, 200, 64), torch.randn(2, 200), torch.randn(9, 64), torch.ones(2)
+        )
     with pytest.raises(ValueError, match="k must be in"):
         check_topk(torch.randn(2, 9), torch.ones(2), 5000)
     with pytest.raises(ValueError, match="logits must be fp32"):
         check_topk(torch.randn(2, 9).bfloat16(), torch.ones(2), 4)
     with pytest.raises(ValueError, match="D must be in"):
-        check_sparse_attention(torch.randn(2, 4, 1024), torch.randn(3, 1024),
-                               torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4))
+        check_sparse_attention(
+            torch.randn(2, 4, 1024),
+            torch.randn(3, 1024),
+            torch.zeros(2, 3, dtype=torch.int32),
+            torch.zeros(4),
+        )

@@ -21,10 +21,18 @@ def test_round_trip_gives_identical_logits(tmp_path: Path) -> None:
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["architectures"] == ["DeepseekV41ForCausalLM"] and "text_config" in raw
     names = set(load_file(tmp_path / WEIGHTS_FILE))
-    for n in ("layers.1.attn.wq_a.weight", "layers.1.attn.wkv.weight", "layers.1.attn.attn_sink",
-              "layers.1.attn.compressor.wkv.weight", "layers.1.attn.compressor.wgate.weight",
-              "layers.3.attn.indexer.wk.weight", "layers.5.attn.indexer.weights_proj.weight",
-              "embed.weight", "head.weight", "norm.weight"):
+    for n in (
+        "layers.1.attn.wq_a.weight",
+        "layers.1.attn.wkv.weight",
+        "layers.1.attn.attn_sink",
+        "layers.1.attn.compressor.wkv.weight",
+        "layers.1.attn.compressor.wgate.weight",
+        "layers.3.attn.indexer.wk.weight",
+        "layers.5.attn.indexer.weights_proj.weight",
+        "embed.weight",
+        "head.weight",
+        "norm.weight",
+    ):
         assert n in names, n
     assert "layers.3.attn.compressor.wgate.weight" not in names  # ratio 1: no gate
     assert "layers.5.attn.compressor.wkv.weight" not in names  # not a kv source

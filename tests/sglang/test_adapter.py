@@ -36,8 +36,13 @@ def test_export_tiny_round_trip(tmp_path: Path) -> None:
     from dsv4cp.model import DeepseekV41Model
 
     path = export_tiny(tmp_path / "ckpt", seed=5)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (path / name).is_file(), name
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == MODEL_TYPE and cfg["architectures"] == [ARCHITECTURE]
@@ -94,9 +99,14 @@ def _extend_fb(prefix: list[int], new: list[int], rows: list[int]) -> _FB:
     pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new)])
     t = int(pos.numel())
     return _FB(
-        _Mode("extend"), torch.arange(t) % 7, torch.tensor(rows, dtype=torch.int32),
-        torch.tensor([p + n for p, n in zip(prefix, new)]), torch.arange(10, 10 + t), pos,
-        extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=new,
+        _Mode("extend"),
+        torch.arange(t) % 7,
+        torch.tensor(rows, dtype=torch.int32),
+        torch.tensor([p + n for p, n in zip(prefix, new)]),
+        torch.arange(10, 10 + t),
+        pos,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=new,
     )
 
 
@@ -111,8 +121,14 @@ def test_extend_batch_maps_requests_one_to_one() -> None:
 
 def test_decode_batch_is_one_token_per_request() -> None:
     seq = torch.tensor([7, 3])
-    fb = _FB(_Mode("decode"), torch.tensor([1, 2]), torch.tensor([0, 2]), seq,
-             torch.tensor([40, 41]), seq - 1)
+    fb = _FB(
+        _Mode("decode"),
+        torch.tensor([1, 2]),
+        torch.tensor([0, 2]),
+        seq,
+        torch.tensor([40, 41]),
+        seq - 1,
+    )
     b = from_forward_batch(fb)
     assert b.mode == "decode" and b.starts == (6, 2) and b.new_lens == (1, 1)
 
@@ -140,8 +156,9 @@ def test_sync_req_to_token_copies_live_rows_only() -> None:
     assert dst.sum() == src[2, :5].sum()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
 def test_hf_config_flattens_and_keeps_dsv4cp_config(tmp_path: Path) -> None:
     from dsv4cp.config import DeepseekV41Config
     from dsv4cp.integrations.sglang.hf_config import Dsv4cpConfig

@@ -65,26 +65,47 @@ class Server:
 
         plugins = entry_points(group="sglang.srt.plugins")
         if not any(ep.value.startswith("dsv4cp.") for ep in plugins):
-            pytest.fail("the dsv4cp sglang.srt.plugins entry point is not installed "
-                        "(pip install -e . in this environment)")
+            pytest.fail(
+                "the dsv4cp sglang.srt.plugins entry point is not installed "
+                "(pip install -e . in this environment)"
+            )
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--context-length", "1024", "--max-total-tokens", "4096",
-            "--chunked-prefill-size", str(CHUNK), "--log-level", "info",
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--context-length",
+            "1024",
+            "--max-total-tokens",
+            "4096",
+            "--chunked-prefill-size",
+            str(CHUNK),
+            "--log-level",
+            "info",
             # Page size 1: radix prefixes of any length, here an odd one (91 tokens), are shared.
-            "--page-size", "1",
+            "--page-size",
+            "1",
         ]
         if not warmup:
             cmd.append("--skip-server-warmup")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def log_tail(self, n: int = 60) -> str:
         with contextlib.suppress(OSError):
@@ -199,17 +220,29 @@ def test_concurrent_requests(server: Server, reference) -> None:
     assert [o["output_ids"] for o in outs] == expect
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json",
-    {"input_ids": "abc"},
-    {"sampling_params": {"max_new_tokens": 2}},
-    {"input_ids": [1, 2, 99999], "sampling_params": {"max_new_tokens": 2}},
-    {"input_ids": [-1, 5], "sampling_params": {"max_new_tokens": 2}},
-    {"text": "", "sampling_params": {"max_new_tokens": 2}},
-    {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
-    {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}},
-], ids=["bad-json", "ids-type", "no-prompt", "id-too-large", "id-negative", "empty-text",
-        "negative-max-new", "over-context"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        {"input_ids": "abc"},
+        {"sampling_params": {"max_new_tokens": 2}},
+        {"input_ids": [1, 2, 99999], "sampling_params": {"max_new_tokens": 2}},
+        {"input_ids": [-1, 5], "sampling_params": {"max_new_tokens": 2}},
+        {"text": "", "sampling_params": {"max_new_tokens": 2}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
+        {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}},
+    ],
+    ids=[
+        "bad-json",
+        "ids-type",
+        "no-prompt",
+        "id-too-large",
+        "id-negative",
+        "empty-text",
+        "negative-max-new",
+        "over-context",
+    ],
+)
 def test_malformed_request_is_4xx(server: Server, body: bytes | dict) -> None:
     status, out = _post(server.url + "/generate", body)
     assert 400 <= status < 500, (status, out)
@@ -219,9 +252,21 @@ def test_malformed_request_is_4xx(server: Server, body: bytes | dict) -> None:
 
 def test_accuracy_cli(server: Server, checkpoint: Path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "dsv4cp", "accuracy", "--base-url", server.url,
-         "--model-path", str(checkpoint), "--max-new-tokens", "8"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dsv4cp",
+            "accuracy",
+            "--base-url",
+            server.url,
+            "--model-path",
+            str(checkpoint),
+            "--max-new-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "PASS" in res.stdout

@@ -19,8 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top-logprobs", type=positive_int, default=5, help="top-k logprobs compared")
     p.add_argument("--atol", type=float, default=1e-3, help="max |Δ logprob| (default %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="reference dtype (CPU)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="reference dtype (CPU)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -30,9 +31,14 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.tools.accuracy import run_accuracy
 
     report = run_accuracy(
-        args.base_url, args.model_path, max_new_tokens=args.max_new_tokens,
-        top_k=args.top_logprobs, atol=args.atol, concurrency=args.concurrency,
-        dtype=args.dtype, timeout_s=args.timeout,
+        args.base_url,
+        args.model_path,
+        max_new_tokens=args.max_new_tokens,
+        top_k=args.top_logprobs,
+        atol=args.atol,
+        concurrency=args.concurrency,
+        dtype=args.dtype,
+        timeout_s=args.timeout,
     )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1

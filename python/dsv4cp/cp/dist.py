@@ -83,8 +83,10 @@ class TorchDistCPGroup:
         return self._group
 
     def __repr__(self) -> str:
-        return (f"TorchDistCPGroup(rank={self._rank}, cp_size={self._cp_size}, "
-                f"backend={self.backend!r}, check_order={self.check_order})")
+        return (
+            f"TorchDistCPGroup(rank={self._rank}, cp_size={self._cp_size}, "
+            f"backend={self.backend!r}, check_order={self.check_order})"
+        )
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
         x = check_input(x, tag)
@@ -141,8 +143,11 @@ class TorchDistCPGroup:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return
-        dev = (torch.device("cuda", torch.cuda.current_device())
-               if self.backend == "nccl" else torch.device("cpu"))
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
         mine = torch.tensor(rec.encode(), dtype=torch.int64, device=dev)
         out = mine.new_empty((self._cp_size * mine.numel(),))
         self._run(rec, lambda: self._gather_raw(out, mine))
@@ -172,13 +177,17 @@ def new_cp_group(
     if backend not in ("auto", "gloo", "nccl", "fake"):
         raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or 'fake', got {backend!r}")
     if backend == "fake":
-        raise ValueError("a fake CP world lives in one process: use FakeCPWorld(cp_size) and "
-                         "run_ranks(world, fn), or dsv4cp.cp.launch.run_cp(..., backend='fake')")
+        raise ValueError(
+            "a fake CP world lives in one process: use FakeCPWorld(cp_size) and "
+            "run_ranks(world, fn), or dsv4cp.cp.launch.run_cp(..., backend='fake')"
+        )
     if cp_size == 1 and ranks is None:
         return SingleCPGroup()
     if not dist.is_initialized():
-        raise RuntimeError(f"new_cp_group(cp_size={cp_size}): torch.distributed is not "
-                           "initialized (call init_process_group, or use spawn_ranks)")
+        raise RuntimeError(
+            f"new_cp_group(cp_size={cp_size}): torch.distributed is not "
+            "initialized (call init_process_group, or use spawn_ranks)"
+        )
     world = dist.get_world_size()
     if cp_size > world:
         raise ValueError(f"cp_size {cp_size} is larger than the distributed world ({world} ranks)")

@@ -84,8 +84,9 @@ class FakeCPWorld:
     under CUDA graph capture (raises). Meant for ranks sharing one device (CPU or one GPU).
     """
 
-    def __init__(self, cp_size: int, *, timeout_s: float = 60.0,
-                 check_order: bool | None = True) -> None:
+    def __init__(
+        self, cp_size: int, *, timeout_s: float = 60.0, check_order: bool | None = True
+    ) -> None:
         self.cp_size = check_cp_size(cp_size, who="FakeCPWorld")
         self.timeout_s = check_timeout(timeout_s)
         self.check_order = resolve_check_order(check_order)
@@ -194,19 +195,24 @@ class FakeCPGroup:
             failure, finished = w.failure, sorted(w._finished - {self._rank})
         if failure is not None and failure[0] != self._rank:
             r, e = failure
-            return CPRankFailedError(f"{where} abandoned: rank {r} failed with "
-                                     f"{type(e).__name__}: {e}")
+            return CPRankFailedError(
+                f"{where} abandoned: rank {r} failed with {type(e).__name__}: {e}"
+            )
         if finished:
             return CPRankFailedError(f"{where}: rank(s) {finished} returned without issuing it")
-        missing = [r for r in range(w.cp_size)
-                   if buf[r] is None or buf[r][0].seq != rec.seq]
+        missing = [r for r in range(w.cp_size) if buf[r] is None or buf[r][0].seq != rec.seq]
         return CPTimeoutError(
             f"{where} timed out after {w.timeout_s:g}s; rank(s) {missing or '?'} never arrived"
         )
 
 
-def run_ranks(world: FakeCPWorld, fn: Callable[..., Any], *args: Any,
-              join_timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    world: FakeCPWorld,
+    fn: Callable[..., Any],
+    *args: Any,
+    join_timeout_s: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run fn(group, *args, **kwargs) for every rank of `world`, one thread per rank; return
     the results in rank order. The first exception raised (in time) is re-raised with a note
     naming its rank; the others' follow-up errors are dropped. `join_timeout_s` bounds the whole
@@ -225,8 +231,10 @@ def run_ranks(world: FakeCPWorld, fn: Callable[..., Any], *args: Any,
         else:
             world.finish(rank)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"fake-cp-rank{r}", daemon=True)
-               for r in range(n)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"fake-cp-rank{r}", daemon=True)
+        for r in range(n)
+    ]
     for t in threads:
         t.start()
     if join_timeout_s is None:
@@ -239,8 +247,7 @@ def run_ranks(world: FakeCPWorld, fn: Callable[..., Any], *args: Any,
     alive = [r for r, t in enumerate(threads) if t.is_alive()]
     if alive:
         world.fail(alive[0], CPTimeoutError("run_ranks join timeout"))
-        raise CPTimeoutError(f"run_ranks: rank(s) {alive} still running after "
-                             f"{join_timeout_s:g}s")
+        raise CPTimeoutError(f"run_ranks: rank(s) {alive} still running after {join_timeout_s:g}s")
     failure = world.failure
     if failure is None:
         failure = next(((r, e) for r, e in enumerate(errors) if e is not None), None)

@@ -47,8 +47,18 @@ RECORD_LEN = _OFF_TAG + _TAG_WORDS
 
 _KINDS = ("all_gather", "barrier")
 _DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
     torch.complex64,
 )
 
@@ -64,7 +74,7 @@ def resolve_check_order(flag: bool | None) -> bool:
 
 
 def split_tag(tag: str) -> tuple[str, str]:
-    """"layer3/kv_raw" → ("layer3", "kv_raw"); a tag without "/" has layer "?"."""
+    """ "layer3/kv_raw" → ("layer3", "kv_raw"); a tag without "/" has layer "?"."""
     layer, sep, tensor = tag.partition("/")
     return (layer, tensor) if sep else ("?", tag)
 
@@ -140,8 +150,15 @@ class CollectiveRecord:
         if ndim > _MAX_DIMS:
             shape += (-1,) * (ndim - _MAX_DIMS)  # compared through the shape crc below
         kind = _KINDS[w[_OFF_KIND] - 1] if 1 <= w[_OFF_KIND] <= len(_KINDS) else "?"
-        rec = cls(w[_OFF_SEQ], kind, tag, shape, _dtype_name(w[_OFF_DTYPE]), w[_OFF_TAG_CRC],
-                  w[_OFF_DTYPE])
+        rec = cls(
+            w[_OFF_SEQ],
+            kind,
+            tag,
+            shape,
+            _dtype_name(w[_OFF_DTYPE]),
+            w[_OFF_TAG_CRC],
+            w[_OFF_DTYPE],
+        )
         return rec
 
     def describe(self) -> str:
@@ -163,8 +180,9 @@ class CollectiveRecord:
 class CPOrderError(RuntimeError):
     """Ranks disagree on a collective. Raised on every rank with the same records."""
 
-    def __init__(self, message: str, *, seq: int, records: Sequence[CollectiveRecord],
-                 fields: Sequence[str]) -> None:
+    def __init__(
+        self, message: str, *, seq: int, records: Sequence[CollectiveRecord], fields: Sequence[str]
+    ) -> None:
         super().__init__(message)
         self.seq = seq
         self.records = tuple(records)
@@ -211,8 +229,7 @@ class OrderGuard:
         rec = CollectiveRecord.of(self.seq, kind, tag, x)
         self.seq += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("[cp rank %d/%d] #%d %s", self.rank, self.cp_size, rec.seq,
-                         rec.describe())
+            logger.debug("[cp rank %d/%d] #%d %s", self.rank, self.cp_size, rec.seq, rec.describe())
         self._history.append(rec)
         return rec
 
@@ -239,13 +256,18 @@ class OrderGuard:
             lines.append(f"  rank {i}: {desc}")
         prev = [h for h in self._history if h.seq < mine.seq]
         if prev:
-            lines.append(f"  previous collective on rank {self.rank}: #{prev[-1].seq} "
-                         f"{prev[-1].describe()}")
+            lines.append(
+                f"  previous collective on rank {self.rank}: #{prev[-1].seq} {prev[-1].describe()}"
+            )
         if "shape" in fields and "tag" not in fields:
-            lines.append("Every rank must pass the same physical rows P (pad with "
-                         "CPLayout.shard) and the same trailing dims.")
+            lines.append(
+                "Every rank must pass the same physical rows P (pad with "
+                "CPLayout.shard) and the same trailing dims."
+            )
         else:
-            lines.append("Every rank must issue the same collectives in the same order from "
-                         "one stream, with no rank-dependent skips (docs/invariants.md, "
-                         "invariant 1).")
+            lines.append(
+                "Every rank must issue the same collectives in the same order from "
+                "one stream, with no rank-dependent skips (docs/invariants.md, "
+                "invariant 1)."
+            )
         raise CPOrderError("\n".join(lines), seq=mine.seq, records=records, fields=fields)

@@ -44,8 +44,9 @@ class CPLaunchError(RuntimeError):
     `failures`: rank → one-line description for every rank that did not return a result;
     `tracebacks`: rank → the traceback text a rank sent back."""
 
-    def __init__(self, message: str, *, rank: int, failures: dict[int, str],
-                 tracebacks: dict[int, str]) -> None:
+    def __init__(
+        self, message: str, *, rank: int, failures: dict[int, str], tracebacks: dict[int, str]
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.failures = failures
@@ -63,9 +64,19 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _rank_main(rank: int, cp_size: int, port: int, backend: str, timeout_s: float,
-               check_order: bool, fn: Callable[..., Any], args: tuple,
-               out: Any, env: dict[str, str], num_threads: int | None) -> None:
+def _rank_main(
+    rank: int,
+    cp_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    check_order: bool,
+    fn: Callable[..., Any],
+    args: tuple,
+    out: Any,
+    env: dict[str, str],
+    num_threads: int | None,
+) -> None:
     code = 0
     try:
         os.environ.update(env)
@@ -77,8 +88,9 @@ def _rank_main(rank: int, cp_size: int, port: int, backend: str, timeout_s: floa
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kw["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=cp_size,
-                                timeout=td, **kw)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=cp_size, timeout=td, **kw
+        )
         group = TorchDistCPGroup(None, timeout_s=timeout_s, check_order=check_order)
         payload = pickle.dumps(_to_cpu(fn(group, *args)))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
@@ -91,8 +103,9 @@ def _rank_main(rank: int, cp_size: int, port: int, backend: str, timeout_s: floa
         except Exception:
             pass
         secondary = isinstance(e, CPCommError)  # a collective failed: maybe a peer's fault
-        out.put(("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc(), exc_bytes,
-                 secondary))
+        out.put(
+            ("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc(), exc_bytes, secondary)
+        )
     else:
         out.put(("ok", rank, payload))
     if dist.is_initialized():
@@ -146,16 +159,20 @@ def spawn_ranks(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"spawn_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < cp_size:
-        raise ValueError(f"spawn_ranks: NCCL with cp_size {cp_size} needs {cp_size} GPUs, "
-                         f"{torch.cuda.device_count()} visible")
+        raise ValueError(
+            f"spawn_ranks: NCCL with cp_size {cp_size} needs {cp_size} GPUs, "
+            f"{torch.cuda.device_count()} visible"
+        )
     if not timeout_s > 0:
         raise ValueError(f"spawn_ranks: timeout_s must be > 0, got {timeout_s!r}")
     args = tuple(args)
     try:
         pickle.dumps(fn)
     except Exception as e:
-        raise TypeError(f"spawn_ranks: fn must be a picklable top-level function, got {fn!r} "
-                        f"({type(e).__name__}: {e})") from e
+        raise TypeError(
+            f"spawn_ranks: fn must be a picklable top-level function, got {fn!r} "
+            f"({type(e).__name__}: {e})"
+        ) from e
     try:
         pickle.dumps(args)
     except Exception as e:
@@ -165,14 +182,31 @@ def spawn_ranks(
 
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
-    store = dist.TCPStore(_HOST, 0, cp_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        _HOST,
+        0,
+        cp_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     flag = resolve_check_order(check_order)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, cp_size, store.port, backend, float(timeout_s), flag, fn, args,
-                  results_q, dict(env or {}), num_threads),
+            args=(
+                r,
+                cp_size,
+                store.port,
+                backend,
+                float(timeout_s),
+                flag,
+                fn,
+                args,
+                results_q,
+                dict(env or {}),
+                num_threads,
+            ),
             name=f"dsv4cp-cp-rank{r}",
             daemon=True,
         )
@@ -194,8 +228,9 @@ def spawn_ranks(
     return _finish(reports, backend, cp_size, timeout_s)
 
 
-def _collect(procs: list[Any], q: Any, grace_s: float,
-             deadline_s: float | None) -> dict[int, tuple]:
+def _collect(
+    procs: list[Any], q: Any, grace_s: float, deadline_s: float | None
+) -> dict[int, tuple]:
     n = len(procs)
     reports: dict[int, tuple] = {}
     start = time.monotonic()
@@ -223,8 +258,11 @@ def _collect(procs: list[Any], q: Any, grace_s: float,
         late = first_failure is not None and now - first_failure > grace_s
         over = deadline_s is not None and now - start > deadline_s
         if late or over:
-            why = (f"no report {grace_s:g}s after the first failure" if late
-                   else f"still running at the {deadline_s:g}s deadline")
+            why = (
+                f"no report {grace_s:g}s after the first failure"
+                if late
+                else f"still running at the {deadline_s:g}s deadline"
+            )
             for r, p in enumerate(procs):
                 if r not in reports:
                     if p.is_alive():
@@ -266,8 +304,10 @@ def _finish(reports: dict[int, tuple], backend: str, cp_size: int, timeout_s: fl
         if reports[r][0] == "err" and reports[r][4] is not None:
             cause = pickle.loads(reports[r][4])
             break
-    lines = [f"CP launch failed (backend {backend}, cp_size {cp_size}, timeout {timeout_s:g}s): "
-             f"rank {first} {failures[first]}"]
+    lines = [
+        f"CP launch failed (backend {backend}, cp_size {cp_size}, timeout {timeout_s:g}s): "
+        f"rank {first} {failures[first]}"
+    ]
     for r in range(cp_size):
         lines.append(f"  rank {r}: {failures.get(r, 'returned a result')}")
     for r in [r for r in order if r in tracebacks][:2]:
@@ -300,5 +340,6 @@ def run_cp(
         order = True if check_order is None else check_order
         world = FakeCPWorld(cp_size, timeout_s=timeout_s, check_order=order)
         return run_ranks(world, fn, *args)
-    return spawn_ranks(cp_size, fn, args, backend=backend, timeout_s=timeout_s,
-                       check_order=check_order)
+    return spawn_ranks(
+        cp_size, fn, args, backend=backend, timeout_s=timeout_s, check_order=check_order
+    )

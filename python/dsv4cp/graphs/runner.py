@@ -62,22 +62,30 @@ class StaticBatch:
     """Capture-stable metadata of one bucket; `refresh` copies a live batch in place."""
 
     def __init__(
-        self, bucket: int, cfg: GraphConfig, req_to_token: Tensor, ratios: list[int],
+        self,
+        bucket: int,
+        cfg: GraphConfig,
+        req_to_token: Tensor,
+        ratios: list[int],
         cp: CPGroup,
     ) -> None:
         dev = req_to_token.device
         self.bucket = bucket
         self.ids = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.tokens = TokenMeta(
-            **{n: torch.full((bucket,), v, dtype=torch.long, device=dev)
-               for n, v in PAD_ROW.items()},
-            valid=torch.zeros(bucket, dtype=torch.bool, device=dev), req_to_token=req_to_token,
+            **{
+                n: torch.full((bucket,), v, dtype=torch.long, device=dev)
+                for n, v in PAD_ROW.items()
+            },
+            valid=torch.zeros(bucket, dtype=torch.bool, device=dev),
+            req_to_token=req_to_token,
         )
         self.workspaces = {
             r: CompressedWorkspace(
                 ratio=r,
-                slots=torch.zeros(cfg.batch_context // r + cfg.max_requests, dtype=torch.long,
-                                  device=dev),
+                slots=torch.zeros(
+                    cfg.batch_context // r + cfg.max_requests, dtype=torch.long, device=dev
+                ),
                 request_offset=torch.zeros(cfg.max_requests, dtype=torch.long, device=dev),
                 max_entries=cfg.max_context // r,
             )
@@ -197,10 +205,19 @@ class GraphRunner:
             barrier()
             torch.cuda.synchronize()
             pool = graph.pool
-            rep = BucketReport(bucket, time.perf_counter() - t0,
-                               torch.cuda.memory_reserved() - before, graph.num_segments)
-            log.info("captured bucket %d tokens: %.2f s, %.1f MiB, %d segment(s)", bucket,
-                     rep.capture_s, rep.pool_bytes / 2**20, rep.segments)
+            rep = BucketReport(
+                bucket,
+                time.perf_counter() - t0,
+                torch.cuda.memory_reserved() - before,
+                graph.num_segments,
+            )
+            log.info(
+                "captured bucket %d tokens: %.2f s, %.1f MiB, %d segment(s)",
+                bucket,
+                rep.capture_s,
+                rep.pool_bytes / 2**20,
+                rep.segments,
+            )
             self.graphs[bucket] = BucketGraph(static, graph, rep)
         return self.reports()
 
@@ -225,4 +242,3 @@ class GraphRunner:
         bg.static.refresh(meta, input_ids)
         hidden = bg.graph.replay()
         return hidden[: meta.tokens.num_rows].clone()
-

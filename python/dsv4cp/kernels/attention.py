@@ -24,9 +24,21 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host 
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr,
-    H, N, NUM_IDX, qk_scale,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    sink_ptr,
+    out_ptr,
+    H,
+    N,
+    NUM_IDX,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kvn,
+    stride_it,
+    stride_ot,
+    stride_oh,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -41,7 +53,8 @@ def _sparse_attention_kernel(
     d_ok = d < D
     q = tl.load(
         q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=h_ok[:, None] & d_ok[None, :], other=0.0,
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
@@ -57,7 +70,8 @@ def _sparse_attention_kernel(
         valid = (idx >= 0) & (idx < N)
         kv = tl.load(
             kv_ptr + idx[:, None].to(tl.int64) * stride_kvn + d[None, :],
-            mask=valid[:, None] & d_ok[None, :], other=0.0,
+            mask=valid[:, None] & d_ok[None, :],
+            other=0.0,
         )
         if UPCAST:
             kv = kv.to(tl.float32)
@@ -131,9 +145,21 @@ def launch_sparse_attention(
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
-        q, kv, indices, sink.float().contiguous(), out,
-        h, kv.shape[0], indices.shape[1], float(scale) * _LOG2E.value,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        q,
+        kv,
+        indices,
+        sink.float().contiguous(),
+        out,
+        h,
+        kv.shape[0],
+        indices.shape[1],
+        float(scale) * _LOG2E.value,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
         D=d,
         D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_H=block_h,
@@ -150,4 +176,3 @@ def launch_sparse_attention(
 def attention_flops(t: int, h: int, k: int, d_qk: int = 512, d_v: int = 512) -> float:
     """2·T·H·K·(D_qk + D_v): the FlashMLA convention, counting every index slot."""
     return 2.0 * t * h * k * (d_qk + d_v)
-

@@ -19,7 +19,13 @@ def pair_pool(kv: Tensor, gate: Tensor, partner_kv: Tensor, partner_gate: Tensor
     """Triton twin of ops.compressor.pair_pool: fp32 [T, D]."""
     out = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     norm_rope_rows(
-        kv, out, positions=None, rope_dim=0, theta=1.0, yarn=None, norm=False,
+        kv,
+        out,
+        positions=None,
+        rope_dim=0,
+        theta=1.0,
+        yarn=None,
+        norm=False,
         pool=(gate, partner_kv, partner_gate),
     )
     return out
@@ -31,8 +37,15 @@ def compressed_latent(
     """Triton twin of ops.compressor.compressed_latent: rms_norm(x rounded to dtype) in dtype."""
     out = torch.empty(pooled_or_kv.shape, dtype=dtype, device=pooled_or_kv.device)
     norm_rope_rows(
-        pooled_or_kv, out, positions=None, rope_dim=0, theta=1.0, yarn=None,
-        norm_weight=norm_weight, eps=eps, round_in=True,
+        pooled_or_kv,
+        out,
+        positions=None,
+        rope_dim=0,
+        theta=1.0,
+        yarn=None,
+        norm_weight=norm_weight,
+        eps=eps,
+        round_in=True,
     )
     return out
 
@@ -47,7 +60,12 @@ def compressed_key(
     """Triton twin of ops.compressor.compressed_key: apply_rope(latent) in latent.dtype."""
     out = torch.empty_like(latent, memory_format=torch.contiguous_format)
     norm_rope_rows(
-        latent, out, positions=entry_positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
+        latent,
+        out,
+        positions=entry_positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
         norm=False,
     )
     return out
@@ -67,8 +85,15 @@ def index_key(
     proj = latent @ wk.to(latent.dtype).t()
     out = torch.empty_like(proj)
     norm_rope_rows(
-        proj, out, positions=entry_positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
-        norm_weight=k_norm_weight, eps=eps, round_mid=True,
+        proj,
+        out,
+        positions=entry_positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=k_norm_weight,
+        eps=eps,
+        round_mid=True,
     )
     return out
 
@@ -99,8 +124,18 @@ def compress_store(
         pool = (gate, partner_kv, partner_gate)
     latent = torch.empty(kv.shape, dtype=cache.dtype, device=kv.device)
     norm_rope_rows(
-        kv, cache, positions=entry_positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
-        norm_weight=norm_weight, eps=eps, slots=slots, pool=pool, round_in=True,
-        round_mid=True, mid=latent,
+        kv,
+        cache,
+        positions=entry_positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=norm_weight,
+        eps=eps,
+        slots=slots,
+        pool=pool,
+        round_in=True,
+        round_mid=True,
+        mid=latent,
     )
     return latent

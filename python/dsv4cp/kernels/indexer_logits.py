@@ -26,9 +26,21 @@ _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _mqa_logits_kernel(
-    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, out_ptr,
-    T, H, N, WIDTH,
-    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    nvis_ptr,
+    kstart_ptr,
+    out_ptr,
+    T,
+    H,
+    N,
+    WIDTH,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kn,
+    stride_ot,
     HAS_KSTART: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -61,7 +73,8 @@ def _mqa_logits_kernel(
             key_ok = (cols < max_vis) & (key_rows < N)
             kt = tl.load(
                 k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
-                mask=key_ok[None, :], other=0.0,
+                mask=key_ok[None, :],
+                other=0.0,
             )
             if UPCAST:
                 kt = kt.to(tl.float32)
@@ -86,9 +99,21 @@ def _mqa_logits_kernel(
 
 @triton.jit
 def _mqa_logits_rows_kernel(
-    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, out_ptr,
-    T, H, N, WIDTH,
-    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    nvis_ptr,
+    kstart_ptr,
+    out_ptr,
+    T,
+    H,
+    N,
+    WIDTH,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kn,
+    stride_ot,
     D: tl.constexpr,
     H_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -118,11 +143,13 @@ def _mqa_logits_rows_kernel(
                 key_ok = (cols < nv_t) & (key_rows < N)
                 kt = tl.load(
                     k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
-                    mask=key_ok[None, :], other=0.0,
+                    mask=key_ok[None, :],
+                    other=0.0,
                 )
                 qt = tl.load(
                     q_ptr + t64 * stride_qt + hh[:, None] * stride_qh + d[None, :],
-                    mask=h_ok[:, None], other=0.0,
+                    mask=h_ok[:, None],
+                    other=0.0,
                 )
                 if UPCAST:
                     kt = kt.to(tl.float32)
@@ -201,20 +228,47 @@ def launch_mqa_logits(
     block_t, block_n, warps, stages = config or DEFAULT_CONFIG
     grid = (triton.cdiv(width, block_n), triton.cdiv(t, block_t))
     args = (
-        q, weights, k, n_visible, n_visible if k_start is None else k_start, out,
-        t, h, n, width,
-        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
+        q,
+        weights,
+        k,
+        n_visible,
+        n_visible if k_start is None else k_start,
+        out,
+        t,
+        h,
+        n,
+        width,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        k.stride(0),
+        out.stride(0),
     )
     # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _mqa_logits_kernel[grid](
-        *args, HAS_KSTART=k_start is not None, D=d, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=upcast, DOT_PREC=prec, num_warps=warps, num_stages=stages,
+        *args,
+        HAS_KSTART=k_start is not None,
+        D=d,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        UPCAST=upcast,
+        DOT_PREC=prec,
+        num_warps=warps,
+        num_stages=stages,
     )
     if k_start is not None:
         _mqa_logits_rows_kernel[grid](
-            *args, D=d, H_PAD=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
-            BLOCK_N=block_n, UPCAST=upcast, DOT_PREC=prec, num_warps=4, num_stages=1,
+            *args,
+            D=d,
+            H_PAD=max(16, triton.next_power_of_2(h)),
+            BLOCK_T=block_t,
+            BLOCK_N=block_n,
+            UPCAST=upcast,
+            DOT_PREC=prec,
+            num_warps=4,
+            num_stages=1,
         )
     return out

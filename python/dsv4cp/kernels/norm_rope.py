@@ -60,9 +60,21 @@ def _rsqrt(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _load_prep(
-    x_ptr, g_ptr, px_ptr, pg_ptr, rows64, cols, ok,
-    stride_x, stride_g, stride_px, stride_pg,
-    POOL: tl.constexpr, ROUND_IN: tl.constexpr, DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    x_ptr,
+    g_ptr,
+    px_ptr,
+    pg_ptr,
+    rows64,
+    cols,
+    ok,
+    stride_x,
+    stride_g,
+    stride_px,
+    stride_pg,
+    POOL: tl.constexpr,
+    ROUND_IN: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PRECISE: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """Load x at (rows, cols) as fp32, pair-pooled and rounded to DTYPE when asked."""
@@ -85,9 +97,26 @@ def _load_prep(
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, g_ptr, px_ptr, pg_ptr, w_ptr, freq_ptr, pos_ptr, slot_ptr, out_ptr, mid_ptr,
-    T, D, ROPE0, eps,
-    stride_x, stride_g, stride_px, stride_pg, stride_out, stride_mid,
+    x_ptr,
+    g_ptr,
+    px_ptr,
+    pg_ptr,
+    w_ptr,
+    freq_ptr,
+    pos_ptr,
+    slot_ptr,
+    out_ptr,
+    mid_ptr,
+    T,
+    D,
+    ROPE0,
+    eps,
+    stride_x,
+    stride_g,
+    stride_px,
+    stride_pg,
+    stride_out,
+    stride_mid,
     POOL: tl.constexpr,
     ROUND_IN: tl.constexpr,
     NORM: tl.constexpr,
@@ -112,8 +141,22 @@ def _norm_rope_kernel(
     cols = tl.arange(0, BLOCK_D)
     ok = r_ok[:, None] & (cols < D)[None, :]
     x = _load_prep(
-        x_ptr, g_ptr, px_ptr, pg_ptr, rows64, cols[None, :], ok,
-        stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+        x_ptr,
+        g_ptr,
+        px_ptr,
+        pg_ptr,
+        rows64,
+        cols[None, :],
+        ok,
+        stride_x,
+        stride_g,
+        stride_px,
+        stride_pg,
+        POOL,
+        ROUND_IN,
+        dt,
+        PRECISE,
+        EMULATE,
     )
     if NORM:
         inv = _rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
@@ -125,7 +168,8 @@ def _norm_rope_kernel(
     if WRITE_MID:
         tl.store(
             mid_ptr + rows64[:, None] * stride_mid + cols[None, :],
-            to_dtype(x, mid_ptr.dtype.element_ty, EMULATE), mask=ok,
+            to_dtype(x, mid_ptr.dtype.element_ty, EMULATE),
+            mask=ok,
         )
     if HAS_SLOTS:
         dst = tl.load(slot_ptr + rows, mask=r_ok, other=0).to(tl.int64)
@@ -134,7 +178,8 @@ def _norm_rope_kernel(
     out_rows = out_ptr + dst[:, None] * stride_out
     if ROPE:
         tl.store(
-            out_rows + cols[None, :], to_dtype(x, dt, EMULATE),
+            out_rows + cols[None, :],
+            to_dtype(x, dt, EMULATE),
             mask=r_ok[:, None] & (cols < ROPE0)[None, :],
         )
         pair = tl.arange(0, BLOCK_R)
@@ -142,12 +187,40 @@ def _norm_rope_kernel(
         pk = r_ok[:, None] & p_ok[None, :]
         ca = (ROPE0 + 2 * pair)[None, :]
         a = _load_prep(
-            x_ptr, g_ptr, px_ptr, pg_ptr, rows64, ca, pk,
-            stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+            x_ptr,
+            g_ptr,
+            px_ptr,
+            pg_ptr,
+            rows64,
+            ca,
+            pk,
+            stride_x,
+            stride_g,
+            stride_px,
+            stride_pg,
+            POOL,
+            ROUND_IN,
+            dt,
+            PRECISE,
+            EMULATE,
         )
         b = _load_prep(
-            x_ptr, g_ptr, px_ptr, pg_ptr, rows64, ca + 1, pk,
-            stride_x, stride_g, stride_px, stride_pg, POOL, ROUND_IN, dt, PRECISE, EMULATE,
+            x_ptr,
+            g_ptr,
+            px_ptr,
+            pg_ptr,
+            rows64,
+            ca + 1,
+            pk,
+            stride_x,
+            stride_g,
+            stride_px,
+            stride_pg,
+            POOL,
+            ROUND_IN,
+            dt,
+            PRECISE,
+            EMULATE,
         )
         if NORM:
             a = a * inv[:, None]
@@ -234,15 +307,25 @@ def norm_rope_rows(
     rows, warps = config or DEFAULT_CONFIG
     block_t = max(1, rows * 512 // block_d)
     _norm_rope_kernel[(triton.cdiv(t, block_t),)](
-        x, g, px, pg,
+        x,
+        g,
+        px,
+        pg,
         x if norm_weight is None else norm_weight.contiguous(),
         freq,
         x if positions is None else positions.contiguous(),
         x if slots is None else slots.contiguous(),
         out,
         out if mid is None else mid,
-        t, d, d - rope_dim, float(eps),
-        x.stride(0), g.stride(0), px.stride(0), pg.stride(0), out.stride(0),
+        t,
+        d,
+        d - rope_dim,
+        float(eps),
+        x.stride(0),
+        g.stride(0),
+        px.stride(0),
+        pg.stride(0),
+        out.stride(0),
         out.stride(0) if mid is None else mid.stride(0),
         POOL=pool is not None,
         ROUND_IN=round_in,
@@ -275,8 +358,14 @@ def swa_key(
     """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype."""
     out = torch.empty(kv_raw.shape, dtype=out_dtype or kv_raw.dtype, device=kv_raw.device)
     norm_rope_rows(
-        kv_raw, out, positions=positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
-        norm_weight=norm_weight, eps=eps,
+        kv_raw,
+        out,
+        positions=positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=norm_weight,
+        eps=eps,
     )
     return out
 
@@ -294,6 +383,13 @@ def store_swa_k(
 ) -> None:
     """Triton twin of ops.swa.store_swa_k: writes cache[slots] in one pass over kv_raw."""
     norm_rope_rows(
-        kv_raw, cache, positions=positions, rope_dim=rope_dim, theta=theta, yarn=yarn,
-        norm_weight=norm_weight, eps=eps, slots=slots,
+        kv_raw,
+        cache,
+        positions=positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=norm_weight,
+        eps=eps,
+        slots=slots,
     )

@@ -112,8 +112,15 @@ def _store_prefix(out_row, n, K: tl.constexpr, OUT_BLOCK: tl.constexpr):
 
 @triton.jit
 def _topk_row_kernel(
-    logits_ptr, nvis_ptr, out_ptr, W, stride_lt, stride_ot,
-    K: tl.constexpr, OUT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    nvis_ptr,
+    out_ptr,
+    W,
+    stride_lt,
+    stride_ot,
+    K: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
@@ -128,8 +135,14 @@ def _topk_row_kernel(
 
 @triton.jit
 def _piece_kth_kernel(
-    logits_ptr, nvis_ptr, thr_ptr, W, stride_lt, PIECES,
-    K: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    nvis_ptr,
+    thr_ptr,
+    W,
+    stride_lt,
+    PIECES,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -144,8 +157,20 @@ def _piece_kth_kernel(
 
 @triton.jit
 def _topk_candidates_kernel(
-    logits_ptr, nvis_ptr, thr_ptr, ck_ptr, ci_ptr, out_ptr, W, stride_lt, stride_ot, PIECES,
-    K: tl.constexpr, OUT_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, STREAM_BLOCK: tl.constexpr,
+    logits_ptr,
+    nvis_ptr,
+    thr_ptr,
+    ck_ptr,
+    ci_ptr,
+    out_ptr,
+    W,
+    stride_lt,
+    stride_ot,
+    PIECES,
+    K: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    STREAM_BLOCK: tl.constexpr,
     CAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -227,8 +252,16 @@ def launch_topk(
     if piece is None and w <= MAX_SINGLE:
         block = max(16, triton.next_power_of_2(w))
         _topk_row_kernel[(t,)](
-            logits, n_visible, out, w, logits.stride(0), out.stride(0),
-            K=k, OUT_BLOCK=out_block, BLOCK=block, num_warps=_warps(block),
+            logits,
+            n_visible,
+            out,
+            w,
+            logits.stride(0),
+            out.stride(0),
+            K=k,
+            OUT_BLOCK=out_block,
+            BLOCK=block,
+            num_warps=_warps(block),
         )
         return out
     piece = piece or CHUNK
@@ -237,14 +270,34 @@ def launch_topk(
     cap = cap or min(MAX_CAP, max(16, 2 * triton.next_power_of_2(pieces * k)))
     thr = torch.empty((t, pieces), dtype=torch.int32, device=logits.device)
     _piece_kth_kernel[(t, pieces)](
-        logits, n_visible, thr, w, logits.stride(0), pieces,
-        K=k, BLOCK=piece, num_warps=_warps(piece),
+        logits,
+        n_visible,
+        thr,
+        w,
+        logits.stride(0),
+        pieces,
+        K=k,
+        BLOCK=piece,
+        num_warps=_warps(piece),
     )
     ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
     ci = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
     _topk_candidates_kernel[(t,)](
-        logits, n_visible, thr, ck, ci, out, w, logits.stride(0), out.stride(0), pieces,
-        K=k, OUT_BLOCK=out_block, P_BLOCK=max(16, triton.next_power_of_2(pieces)),
-        STREAM_BLOCK=stream, CAP=cap, num_warps=max(4, min(16, cap // 1024)),
+        logits,
+        n_visible,
+        thr,
+        ck,
+        ci,
+        out,
+        w,
+        logits.stride(0),
+        out.stride(0),
+        pieces,
+        K=k,
+        OUT_BLOCK=out_block,
+        P_BLOCK=max(16, triton.next_power_of_2(pieces)),
+        STREAM_BLOCK=stream,
+        CAP=cap,
+        num_warps=max(4, min(16, cap // 1024)),
     )
     return out

@@ -69,13 +69,17 @@ class Report:
         return bool(self.results) and all(r.passed(self.atol) for r in self.results)
 
     def table(self) -> str:
-        head = (f"{'#':>2} {'len':>5} {'tokens':>9} {'ties':>4} {'1st diff':>8} "
-                f"{'|dlp| out':>10} {'|dlp| top':>10} {'|dlp| in':>10}  result")
+        head = (
+            f"{'#':>2} {'len':>5} {'tokens':>9} {'ties':>4} {'1st diff':>8} "
+            f"{'|dlp| out':>10} {'|dlp| top':>10} {'|dlp| in':>10}  result"
+        )
         lines = [head, "-" * len(head)]
         for r in self.results:
             if r.error is not None:
-                lines.append(f"{r.index:>2} {r.prompt_len:>5} {'-':>9} {'-':>4} {'-':>8} "
-                             f"{'-':>10} {'-':>10} {'-':>10}  FAIL ({r.error})")
+                lines.append(
+                    f"{r.index:>2} {r.prompt_len:>5} {'-':>9} {'-':>4} {'-':>8} "
+                    f"{'-':>10} {'-':>10} {'-':>10}  FAIL ({r.error})"
+                )
                 continue
             first = "-" if r.first_mismatch is None else str(r.first_mismatch)
             lines.append(
@@ -110,8 +114,11 @@ def post_generate(base_url: str, payload: dict, timeout_s: float = 300.0) -> dic
 def greedy_payload(input_ids: list[int], max_new_tokens: int, top_k: int) -> dict:
     return {
         "input_ids": input_ids,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                            "ignore_eos": True},
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": max_new_tokens,
+            "ignore_eos": True,
+        },
         "return_logprob": True,
         "logprob_start_len": 0,
         "top_logprobs_num": top_k,
@@ -147,8 +154,9 @@ class Reference:
 
         torch = self.torch
         n = len(prompt) + len(forced)
-        runner = PrefillRunner(self.model, num_slots=n + 64, max_requests=2,
-                               max_context=n + 16, page_size=16)
+        runner = PrefillRunner(
+            self.model, num_slots=n + 64, max_requests=2, max_context=n + 16, page_size=16
+        )
         all_logits = runner.prefill([("r", prompt)], return_all_logits=True).all_logits
         if all_logits is None:
             raise ValueError("accuracy: the runner returned no all_logits")
@@ -161,8 +169,9 @@ class Reference:
         return input_lp, torch.stack(rows)
 
 
-def compare_one(index: int, prompt: list[int], server: dict, ref: Reference, atol: float,
-                top_k: int) -> PromptResult:
+def compare_one(
+    index: int, prompt: list[int], server: dict, ref: Reference, atol: float, top_k: int
+) -> PromptResult:
     meta = server["meta_info"]
     out_lp = meta["output_token_logprobs"]
     tokens = [int(t[1]) for t in out_lp]
@@ -186,13 +195,24 @@ def compare_one(index: int, prompt: list[int], server: dict, ref: Reference, ato
     served_in = meta.get("input_token_logprobs") or []
     served_ids = [int(t[1]) for t in served_in]
     if served_ids and served_ids != prompt:
-        return PromptResult(index, len(prompt), len(tokens), matched, ties, first, max_out,
-                            max_top, math.inf, error="server saw different prompt ids")
+        return PromptResult(
+            index,
+            len(prompt),
+            len(tokens),
+            matched,
+            ties,
+            first,
+            max_out,
+            max_top,
+            math.inf,
+            error="server saw different prompt ids",
+        )
     for j, t in enumerate(served_in[1:]):
         if t[0] is not None:
             max_in = max(max_in, abs(float(t[0]) - float(input_lp[j])))
-    return PromptResult(index, len(prompt), len(tokens), matched, ties, first, max_out, max_top,
-                        max_in)
+    return PromptResult(
+        index, len(prompt), len(tokens), matched, ties, first, max_out, max_top, max_in
+    )
 
 
 def run_accuracy(
@@ -227,6 +247,9 @@ def run_accuracy(
         try:
             report.results.append(compare_one(i, p, ans, ref, atol, top_k))
         except (KeyError, IndexError, TypeError) as e:
-            report.results.append(PromptResult(i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0,
-                                               f"malformed server answer: {e!r}"))
+            report.results.append(
+                PromptResult(
+                    i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0, f"malformed server answer: {e!r}"
+                )
+            )
     return report

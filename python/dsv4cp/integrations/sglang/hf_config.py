@@ -17,8 +17,14 @@ from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
 
 # Flat fields SGLang reads, copied from the dsv4cp text config when present.
 _FLAT = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size",
-    "intermediate_size", "max_position_embeddings", "rms_norm_eps",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
 )
 
 

@@ -80,8 +80,9 @@ def _pools(forward_batch: Any) -> tuple[Any, Tensor]:
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, config: object, quant_config: object = None, prefix: str = "",
-                 **_: object) -> None:
+    def __init__(
+        self, config: object, quant_config: object = None, prefix: str = "", **_: object
+    ) -> None:
         super().__init__()
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
@@ -94,8 +95,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.dsv4cp_config = DeepseekV41Config.from_hf(dict(raw))
         max_total_tokens, page_size = self._check_server_args()
         self.dsv4cp = DeepseekV41Model(
-            self.dsv4cp_config, dtype=torch.get_default_dtype(),
-            device=torch.get_default_device(), seed=None,
+            self.dsv4cp_config,
+            dtype=torch.get_default_dtype(),
+            device=torch.get_default_device(),
+            seed=None,
         )
         # The head is replicated, not vocab-parallel: never all-gather logits over TP.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
@@ -103,7 +106,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.ratios = sorted({r for r in self.dsv4cp_config.layer_ratios if r})
         self._cp: CPGroup | None = None
         self.executors = ExecutorFactory.create(
-            MultistreamPolicy.from_env(), device=self.dsv4cp.device,
+            MultistreamPolicy.from_env(),
+            device=self.dsv4cp.device,
             lanes=self.dsv4cp.prepare_lanes(),
         )
         # Allocated now when the slot count is known, so that SGLang's memory profile (taken
@@ -138,8 +142,13 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _new_cache(self, num_slots: int, page_size: int, rows: int = 1, width: int = 1) -> KVCache:
         m = self.dsv4cp
         return KVCache(
-            self.dsv4cp_config, num_slots, max_requests=rows, max_context=width,
-            page_size=page_size, device=m.device, dtype=m.dtype,
+            self.dsv4cp_config,
+            num_slots,
+            max_requests=rows,
+            max_context=width,
+            page_size=page_size,
+            device=m.device,
+            dtype=m.dtype,
         )
 
     def _cp_group(self, batch: SGLangBatch) -> CPGroup:
@@ -167,14 +176,21 @@ class DeepseekV41ForCausalLM(nn.Module):
             need = int(pool.size) + 2 * page  # SGLang's slots are 1..size (+ page padding)
             if cache is None or cache.num_slots < need:
                 if cache is not None:
-                    logger.warning("dsv4cp: SGLang's pool holds %d slots, more than the %d "
-                                   "allocated; reallocating", pool.size, cache.num_slots)
+                    logger.warning(
+                        "dsv4cp: SGLang's pool holds %d slots, more than the %d "
+                        "allocated; reallocating",
+                        pool.size,
+                        cache.num_slots,
+                    )
                 cache = self.cache = self._new_cache(need, page)
             # dsv4cp's own int64 position -> slot table, shaped like SGLang's req_to_token.
             cache.req_to_token = torch.zeros(r2t.shape, dtype=torch.long, device=cache.device)
             cache.max_requests, cache.max_context = r2t.shape
-            logger.info("dsv4cp: KV cache of %d slots, %d request rows x %d positions",
-                        cache.num_slots, *r2t.shape)
+            logger.info(
+                "dsv4cp: KV cache of %d slots, %d request rows x %d positions",
+                cache.num_slots,
+                *r2t.shape,
+            )
         return cache, r2t
 
     # ------------------------------------------------------------------ weights
@@ -194,8 +210,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.dsv4cp.forward(batch.input_ids.to(cache.device), ctx, executors)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: Any,
-                **_: object) -> Any:
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: Any, **_: object) -> Any:
         m = self.dsv4cp
         batch = from_forward_batch(forward_batch)
         if batch.num_tokens == 0:

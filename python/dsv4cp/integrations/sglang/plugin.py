@@ -84,8 +84,9 @@ def _register_hooks() -> None:
     HookRegistry.register(_VALIDATE_TARGET, validate_request, HookType.AROUND)
 
 
-def validate_request(original, manager: object, obj: object, input_ids: object, *args: object,
-                     **kwargs: object) -> object:
+def validate_request(
+    original, manager: object, obj: object, input_ids: object, *args: object, **kwargs: object
+) -> object:
     """AROUND hook: reject token ids outside the vocabulary before they reach the scheduler."""
     config = getattr(manager, "model_config", None)
     if (
