@@ -1,0 +1,1 @@
+"""Model building blocks (nn.Modules) over the ops in dsv4cp.ops."""
