@@ -17,7 +17,14 @@ from safetensors.torch import load_file
 from dsv4cp.layers.linear import Linear
 from dsv4cp.ops.attention_quant import fake_quant_index_fp4, index_scores_qat
 from dsv4cp.ops.indexer import indexer_weights, topk_indices
-from dsv4cp.ops.linear import dequant_fp4, dequant_fp8_blocks, fp4_linear, fp8_linear, linear
+from dsv4cp.ops.linear import (
+    dequant_fp4,
+    dequant_fp8_blocks,
+    dequant_fp8_rows,
+    fp4_linear,
+    fp8_linear,
+    linear,
+)
 from dsv4cp.ops.quant import act_quant_fp8, e8m0_to_float, unpack_fp4
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -128,6 +135,18 @@ def test_dequant_fp8_blocks_on_the_checkpoint() -> None:
     got = dequant_fp8_blocks(w, s)
     assert torch.equal(got, expected)
     assert torch.equal(got.bfloat16().float(), got)  # wo_a-style bf16 dequantization is exact
+
+
+def test_dequant_fp8_rows_on_the_engram_table() -> None:
+    with safe_open(SHARD1.with_name("model-00003-of-00003.safetensors"), "pt") as f:
+        table = f.get_tensor("layers.0.engram.embed.weight")  # [660, 32], scale [660, 1]
+        scale = f.get_tensor("layers.0.engram.embed.scale")
+    cols = torch.arange(table.shape[1]) // 32
+    expected = table.float() * e8m0_to_float(scale)[:, cols]
+    assert torch.equal(dequant_fp8_rows(table, scale), expected)
+    assert torch.equal(dequant_fp8_rows(table[[3, 7]], scale[[3, 7]]), expected[[3, 7]])
+    with pytest.raises(ValueError, match="scale shape"):
+        dequant_fp8_rows(table, scale[:10])
 
 
 def test_dequant_fp4_on_the_checkpoint() -> None:
