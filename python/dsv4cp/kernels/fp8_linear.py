@@ -1,0 +1,181 @@
+"""fp8 activation quantization and the per-32 block-scaled fp8 GEMM (Triton), quant="qat".
+
+Twins: `dsv4cp.ops.quant.act_quant_fp8` and `dsv4cp.ops.linear.fp8_linear` (same signatures;
+docs/quantization.md). cuBLAS has no per-32 block scales on Hopper, so the GEMM is ours: one
+program owns a BLOCK_M × BLOCK_N fp32 tile and walks K in steps of 32, exactly one fp8 tensor-core
+k-step and one quantization block. Each step's fresh partial product is scaled by the activation
+row's and the weight block's power-of-two scales and added to the tile in K order, as the
+reference's kernel (`fp8_gemm`, DeepSeek-V4.1 `inference/kernel.py`) does.
+
+Numerics against the twin: quantization is bit-exact (the e4m3 rounding is done in fp32 on the
+bits, the cast only stores exact values). The GEMM's partial products may differ from the twin's
+exact block sums by the tensor core's accumulation rounding; the scaling (powers of two) and the
+ordered fp32 accumulation are the same. The tile is written in fp32 and cast to the output dtype
+by torch (round to nearest even, also under the CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels.dispatch import interpreting
+from dsv4cp.ops.linear import WEIGHT_BLOCK, fp8_scale_shape
+from dsv4cp.ops.quant import scale_to_float
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); not tuned yet (no GPU run so far)
+DEFAULT_CONFIG = (64, 128, 4, 3)
+_ROWS_PER_QUANT_PROGRAM = 4
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """2^ceil(log2(v)) for v > 0 from the fp32 bits; a subnormal v gives 2^-126."""
+    bits = v.to(tl.int32, bitcast=True)
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    biased = tl.minimum(tl.maximum(biased, 1), 254)
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """fp32 v with |v| ≤ 448 -> the nearest e4m3 value (ties to even), as fp32, sign kept."""
+    mag = tl.abs(v)
+    exponent = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # e4m3 subnormals share the 2^-9 spacing
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # + 1.5·2^23 − 1.5·2^23 rounds mag/ulp (< 16, exact) to an integer, half to even
+    rounded = ((mag / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, stride_cm, stride_sm,
+    BLOCK: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # one program: ROWS rows × N_BLOCKS quantization blocks of BLOCK values
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    cols = pid_k * (N_BLOCKS * BLOCK) + tl.arange(0, N_BLOCKS * BLOCK)
+    ok = (rows[:, None] < M) & (cols[None, :] < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    xb = tl.reshape(x.to(tl.float32), (ROWS, N_BLOCKS, BLOCK))
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)  # ops.quant.FP8_AMAX_FLOOR
+    scale = _pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
+    v = tl.minimum(tl.maximum(xb / scale[:, :, None], -448.0), 448.0)
+    codes = tl.reshape(_e4m3_rne(v), (ROWS, N_BLOCKS * BLOCK))
+    tl.store(
+        codes_ptr + rows64[:, None] * stride_cm + cols[None, :], codes.to(tl.float8e4nv), mask=ok
+    )
+    blocks = pid_k * N_BLOCKS + tl.arange(0, N_BLOCKS)
+    s_ok = (rows[:, None] < M) & (blocks[None, :] < K // BLOCK)
+    tl.store(scale_ptr + rows64[:, None] * stride_sm + blocks[None, :], scale, mask=s_ok)
+
+
+def act_quant_fp8(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """Kernel twin of `ops.quant.act_quant_fp8`: x [..., K] -> (float8_e4m3fn codes [..., K],
+    fp32 power-of-two scales [..., K // block]); block a power of two ≥ 16."""
+    if not x.is_floating_point():
+        raise ValueError(f"act_quant_fp8: x must be a float tensor, got {x.dtype}")
+    k = x.shape[-1]
+    if block < 16 or block & (block - 1) or k % block:
+        raise ValueError(
+            f"act_quant_fp8: last dim {k} must be a multiple of block={block} (2^n ≥ 16)"
+        )
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
+    n_blocks = 1 << (max(1, min(k // block, 128 // block)).bit_length() - 1)  # a power of two
+    grid = (triton.cdiv(m, _ROWS_PER_QUANT_PROGRAM), triton.cdiv(k // block, n_blocks))
+    if m:
+        _act_quant_kernel[grid](
+            x2, codes, scale, m, k, x2.stride(0), codes.stride(0), scale.stride(0),
+            BLOCK=block, N_BLOCKS=n_blocks, ROWS=_ROWS_PER_QUANT_PROGRAM,
+        )
+    return codes.view(*x.shape), scale.view(*x.shape[:-1], k // block)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    a_ptrs = a_ptr + rm64[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn64[:, None] * stride_bn + rk[None, :]
+    as_ptrs = as_ptr + rm64 * stride_asm
+    bs_ptrs = bs_ptr + (rn64 // BLOCK_K) * stride_bsn  # one weight scale per 32 rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in tl.range(0, K // BLOCK_K, num_stages=STAGES):
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+        if UPCAST:  # the CPU interpreter: fp32 products of the fp8 values
+            partial = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:  # one fp8 tensor-core k-step
+            partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptrs, mask=n_ok, other=0.0)
+        acc = acc + partial * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        as_ptrs += 1
+        bs_ptrs += 1
+    c_ptrs = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_linear(
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> Tensor:
+    """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
+    x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float)."""
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+        raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if tuple(w_scale.shape) != fp8_scale_shape(n, k):
+        raise ValueError(
+            f"fp8_linear: scale shape {tuple(w_scale.shape)} != expected {fp8_scale_shape(n, k)}"
+        )
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x last dim {x.shape[-1]} != weight in_features {k}")
+    codes, a_scale = act_quant_fp8(x.reshape(-1, k), WEIGHT_BLOCK)
+    m = codes.shape[0]
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    b_scale = scale_to_float(w_scale).contiguous()
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    block_m, block_n, warps, stages = config or DEFAULT_CONFIG
+    if m:
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _fp8_gemm_kernel[grid](
+            codes, a_scale, w, b_scale, out, m, n, k,
+            codes.stride(0), a_scale.stride(0), w.stride(0), b_scale.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=WEIGHT_BLOCK, STAGES=stages,
+            UPCAST=interpreting(), num_warps=warps,
+        )
+    return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)

@@ -1,0 +1,74 @@
+"""`Linear`: a weight held exactly as the released checkpoint stores it, applied with
+`dsv4cp.ops.linear.linear` (reference numerics under quant="qat")."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from dsv4cp.ops.linear import WEIGHT_BLOCK, fp4_scale_shape, fp8_scale_shape, linear
+from dsv4cp.ops.quant import QuantMode
+
+Storage = Literal["dense", "fp8", "fp4"]
+_UE8M0_ONE = 127  # biased exponent of 2^0
+
+
+class Linear(nn.Module):
+    """y = x · Wᵀ with W in checkpoint storage; no bias.
+
+    storage "dense": `weight` [out, in] in `dtype`, `scale` None.
+    storage "fp8": `weight` float8_e4m3fn [out, in], `scale` float8_e8m0fnu
+    [ceil(out/32), ceil(in/32)] (a buffer, so the state-dict names match the checkpoint's
+    `<name>.weight` / `<name>.scale`).
+    storage "fp4": `weight` int8 [out, in/2] (two e2m1 codes per byte, even element low),
+    `scale` float8_e8m0fnu [out, in/32].
+    `dtype` is the dense weight's dtype, and for fp8 / fp4 the output dtype (the reference's
+    default dtype, bf16). Weights start at 0 and scales at 1; load the checkpoint into them.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        storage: Storage,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        if storage not in get_args(Storage):
+            raise ValueError(f"Linear: storage {storage!r} not in {get_args(Storage)}")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"Linear: features must be positive, got {in_features}, {out_features}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.storage, self.dtype = storage, dtype
+        self.scale: Tensor | None
+        if storage == "dense":
+            weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
+            self.register_buffer("scale", None)
+        else:
+            if storage == "fp8":
+                weight = torch.zeros(out_features, in_features, device=device).to(
+                    torch.float8_e4m3fn
+                )
+                scale_shape = fp8_scale_shape(out_features, in_features, WEIGHT_BLOCK)
+            else:
+                scale_shape = fp4_scale_shape(out_features, in_features, WEIGHT_BLOCK)
+                weight = torch.zeros(
+                    out_features, in_features // 2, dtype=torch.int8, device=device
+                )
+            scale = torch.full(scale_shape, _UE8M0_ONE, dtype=torch.uint8, device=device)
+            self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: Tensor, quant: QuantMode = "qat") -> Tensor:
+        out_dtype = None if self.storage == "dense" else self.dtype
+        return linear(x, self.weight, self.scale, quant, out_dtype=out_dtype)
+
+    def extra_repr(self) -> str:
+        sizes = f"in={self.in_features}, out={self.out_features}"
+        return f"{sizes}, storage={self.storage}, dtype={self.dtype}"

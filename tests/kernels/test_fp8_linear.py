@@ -1,0 +1,64 @@
+"""GPU: kernels/fp8_linear against its ops twins on the H200.
+
+act_quant_fp8: bit-exact (golden inputs, every finite bf16 value included, and Flash-sized rows).
+fp8_linear: the twin's block partials are exact sums; the fp8 tensor core adds a k-step's 32
+products with limited alignment precision (about 14 bits, DeepSeek-V3 report §3.3.2), so the fp32
+output may differ by up to 2^-13 · Σ|a·b| (the absolute products of the dequantized operands);
+the bf16 outputs the model sees by at most one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsv4cp.kernels.fp8_linear import act_quant_fp8, fp8_linear
+from dsv4cp.ops import linear as ops_linear
+from dsv4cp.ops import quant as ops_quant
+from tests.kernels.test_fp8_linear_interpreter import GOLDEN
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_act_quant_bit_exact_on_golden_and_flash_rows() -> None:
+    golden = load_file(GOLDEN, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(4096, 5120, device="cuda", generator=g)
+    big = (
+        big * torch.exp2(torch.randint(-30, 30, (4096, 1), device="cuda", generator=g))
+    ).bfloat16()
+    for x in (golden["adversarial.x"], golden["allbf16.x"], golden["random.x"], big):
+        codes, scale = act_quant_fp8(x)
+        want_codes, want_scale = ops_quant.act_quant_fp8(x)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(512, 1280, 5120), (77, 512, 5120), (256, 5120, 8192)])
+def test_fp8_linear_against_the_exact_twin(m: int, n: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 64).to(torch.float8_e4m3fn)
+    shape = ops_linear.fp8_scale_shape(n, k)
+    scale = torch.randint(118, 124, shape, device="cuda", dtype=torch.uint8, generator=g)
+    scale = scale.view(torch.float8_e8m0fnu)
+    got = fp8_linear(x, w, scale, out_dtype=torch.float32)
+    want = ops_linear.fp8_linear(x, w, scale, out_dtype=torch.float32)
+    a = ops_quant.fake_act_quant_fp8(x.float())
+    b = ops_linear.dequant_fp8_blocks(w, scale)
+    err = (got - want).abs()
+    bound = 2.0**-13 * (a.abs() @ b.abs().t())
+    print(
+        f"fp8_linear {m}x{n}x{k}: max |Δ|/Σ|ab| = {float((err / bound).max()) * 2**-13:.3g}, "
+        f"{float((err > 0).float().mean()):.3%} of fp32 outputs differ"
+    )
+    assert bool((err <= bound).all())
+    got16, want16 = fp8_linear(x, w, scale), ops_linear.fp8_linear(x, w, scale)
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(
+        torch.floor(torch.log2(want16.float().abs()))
+    )
+    assert bool(((got16.float() - want16.float()).abs() <= ulp).all())

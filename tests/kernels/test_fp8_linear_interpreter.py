@@ -1,0 +1,138 @@
+"""kernels/fp8_linear on the CPU through Triton's interpreter, against the ops twins.
+
+The interpreter must be switched on before triton is imported, so the launches run in one child
+process (this file as a script) and report back as JSON. The quantizer is compared bit for bit
+(the golden inputs, every finite bf16 value included); the GEMM bit for bit where block sums are
+exact, else within the fp32 dot-product bound (the interpreter's fp32 block products round where
+the twin's exact ones do not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "fixtures" / "quant_golden.safetensors"
+CASES = ("act_quant_golden", "act_quant_shapes", "gemm_golden", "gemm_odd_shapes")
+
+
+@pytest.fixture(scope="module")
+def child_results() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "python")}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
+    )
+    report = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and report, (
+        f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(report[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_kernels_in_the_interpreter(case: str, child_results: dict[str, str]) -> None:
+    assert child_results[case] == "ok", child_results[case]
+
+
+def test_launchers_reject_bad_shapes() -> None:
+    from dsv4cp.kernels.fp8_linear import act_quant_fp8, fp8_linear
+
+    w = torch.zeros(64, 96).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of block=32"):
+        act_quant_fp8(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match=r"scale shape \(3, 2\) != expected \(2, 3\)"):
+        fp8_linear(torch.zeros(2, 96), w, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="in_features 96"):
+        fp8_linear(torch.zeros(2, 64), w, torch.ones(2, 3))
+
+
+# ------------------------------------------------------------------ the cases (child process only)
+
+
+def _within_gemm_bound(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
+) -> None:
+    from dsv4cp.ops.linear import dequant_fp8_blocks, fp8_linear
+    from dsv4cp.ops.quant import fake_act_quant_fp8
+
+    a = fake_act_quant_fp8(x.float())
+    b = dequant_fp8_blocks(w, scale)
+    bound = 2 * (32 + x.shape[-1] // 32) * 2.0**-24 * (a.abs() @ b.abs().t())
+    want = fp8_linear(x, w, scale, out_dtype=torch.float32)
+    assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+
+
+def _child_cases() -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    from dsv4cp.kernels import fp8_linear as kernel
+    from dsv4cp.ops import linear as ops_linear
+    from dsv4cp.ops import quant as ops_quant
+
+    golden = load_file(GOLDEN)
+
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def act_quant_golden() -> None:
+        for case in ("adversarial", "random", "allbf16"):
+            codes, scale = kernel.act_quant_fp8(golden[f"{case}.x"])
+            same_bits(codes, golden[f"{case}.fp8.codes"])
+            assert torch.equal(scale, golden[f"{case}.fp8.scale"].float())
+
+    def act_quant_shapes() -> None:
+        torch.manual_seed(0)
+        x = torch.randn(3, 5, 256) * torch.exp2(torch.randint(-20, 20, (3, 5, 1)).float())
+        for block in (32, 64, 128):
+            codes, scale = kernel.act_quant_fp8(x, block)
+            want_codes, want_scale = ops_quant.act_quant_fp8(x, block)
+            same_bits(codes, want_codes)
+            assert torch.equal(scale, want_scale)
+        codes, scale = kernel.act_quant_fp8(x[:, :, :96].bfloat16())  # K = 3 blocks, strided
+        same_bits(codes, ops_quant.act_quant_fp8(x[:, :, :96].bfloat16())[0])
+
+    def gemm_golden() -> None:
+        for tag in ("exact", "random"):
+            x, w, s = (golden[f"gemm.{tag}.{k}"] for k in ("x", "w8", "w8.scale"))
+            got = kernel.fp8_linear(x, w, s, out_dtype=torch.float32, config=(16, 32, 4, 1))
+            if tag == "exact":
+                assert torch.equal(got, golden["gemm.exact.fp8.f32"])
+                got16 = kernel.fp8_linear(x, w, s, config=(16, 32, 4, 1))
+                assert torch.equal(got16, golden["gemm.exact.fp8.bf16"])
+            _within_gemm_bound(got, x, w, s)
+
+    def gemm_odd_shapes() -> None:
+        torch.manual_seed(1)
+        for m, n, k in ((1, 80, 96), (37, 33, 64), (20, 130, 160)):
+            x = torch.randn(m, k).bfloat16()
+            w = (torch.randn(n, k) * 64).to(torch.float8_e4m3fn)
+            s = torch.randint(120, 130, ops_linear.fp8_scale_shape(n, k), dtype=torch.uint8)
+            s = s.view(torch.float8_e8m0fnu)
+            got = kernel.fp8_linear(
+                x.view(1, m, k), w, s, out_dtype=torch.float32, config=(16, 32, 4, 2)
+            )
+            assert got.shape == (1, m, n)
+            _within_gemm_bound(got[0], x, w, s)
+
+    return {name: fn for name, fn in locals().items() if name in CASES}
+
+
+if __name__ == "__main__":
+    import traceback
+
+    outcome = {}
+    for name, case in _child_cases().items():
+        try:
+            case()  # type: ignore[operator]
+            outcome[name] = "ok"
+        except Exception:  # report every case, not only the first failure
+            outcome[name] = traceback.format_exc()
+    print(json.dumps(outcome))
