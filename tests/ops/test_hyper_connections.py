@@ -68,10 +68,10 @@ def test_sinkhorn_split_matches_fp64_loop(iters: int) -> None:
     _, base, scale = _params(1)
     got = sinkhorn_split(logits, scale, base, hc_mult=H, iters=iters, eps=1e-6)
     for t in range(5):
-        pre, post, comb = loop_split(logits[t].tolist(), scale.tolist(), base.tolist(), iters, 1e-6)
-        torch.testing.assert_close(got.pre[t].double(), torch.tensor(pre, dtype=torch.float64), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(got.post[t].double(), torch.tensor(post, dtype=torch.float64), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(got.comb[t].double(), torch.tensor(comb, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+        want = loop_split(logits[t].tolist(), scale.tolist(), base.tolist(), iters, 1e-6)
+        for ours, theirs, rtol in zip(got, want, (1e-6, 1e-6, 1e-5)):
+            theirs = torch.tensor(theirs, dtype=torch.float64)
+            torch.testing.assert_close(ours[t].double(), theirs, rtol=rtol, atol=1e-7)
 
 
 def test_sinkhorn_converges_to_doubly_stochastic() -> None:
