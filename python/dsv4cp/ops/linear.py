@@ -65,6 +65,22 @@ def dequant_fp8_blocks(w: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> T
     return w.float() * s
 
 
+def dequant_fp8_rows(values: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Tensor:
+    """fp8 rows [..., D] with a scale per row and `block` channels [..., D/block] -> fp32 [..., D]
+    (exact); the Engram tables' layout (reference `ParallelEngramEmbedding.forward`, which then
+    rounds to bf16)."""
+    if values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequant_fp8_rows: values must be float8_e4m3fn, got {values.dtype}")
+    expected = (*values.shape[:-1], values.shape[-1] // block)
+    if values.shape[-1] % block or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"dequant_fp8_rows: scale shape {tuple(scale.shape)} != expected {expected} "
+            f"for values {tuple(values.shape)}"
+        )
+    rows = values.float().unflatten(-1, (-1, block)) * scale_to_float(scale).unsqueeze(-1)
+    return rows.flatten(-2)
+
+
 def dequant_fp4(packed: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Tensor:
     """Packed fp4 weight [N, K/2] with scales [N, K/block] -> fp32 [N, K] (exact)."""
     if packed.dtype not in FP4_WEIGHT_DTYPES or packed.dim() != 2:
