@@ -1,7 +1,7 @@
 """Access to the tiny released-format checkpoint and DeepSeek's reference outputs (test data).
 
-Tensors are read by checkpoint name straight from the shards (safetensors), so the tests share
-no loading code with the modules they check.
+Checkpoint tensors come through `dsv4cp.checkpoint` (the reader, `load_into`, `memmap`), which
+validates dtypes, shapes and scale layouts against the release's storage rules.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
+
+from dsv4cp.checkpoint import CheckpointReader, load_into
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41-tiny-reference"
 CHECKPOINT = FIXTURE / "checkpoint"
@@ -28,18 +29,16 @@ def reference() -> dict[str, Tensor]:
 
 
 @functools.lru_cache(maxsize=1)
-def _weight_map() -> dict[str, str]:
-    index = json.loads((CHECKPOINT / "model.safetensors.index.json").read_text())
-    return index["weight_map"]
+def reader() -> CheckpointReader:
+    return CheckpointReader(CHECKPOINT)
 
 
 def names() -> list[str]:
-    return sorted(_weight_map())
+    return reader().names()
 
 
 def tensor(name: str) -> Tensor:
-    with safe_open(str(CHECKPOINT / _weight_map()[name]), "pt") as f:
-        return f.get_tensor(name)
+    return reader().get(name)
 
 
 def text_config() -> SimpleNamespace:
@@ -49,30 +48,13 @@ def text_config() -> SimpleNamespace:
 
 
 def load_slots(slots: dict[str, Tensor]) -> None:
-    """Copy each checkpoint tensor into its slot; dtype and shape must match exactly."""
-    for name, dst in slots.items():
-        src = tensor(name)
-        if src.dtype != dst.dtype or src.shape != dst.shape:
-            raise AssertionError(
-                f"{name}: checkpoint {src.dtype} {tuple(src.shape)} vs slot {dst.dtype} "
-                f"{tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(src)
+    """Copy each checkpoint tensor into its slot (checked: dtype, shape, scale layout)."""
+    load_into(slots, reader(), list(slots))
 
 
 def shard_memmap(name: str) -> np.memmap:
-    """A read-only uint8/float row view of one tensor inside its shard (no whole-file read)."""
-    path = CHECKPOINT / _weight_map()[name]
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    entry = header[name]
-    start, end = entry["data_offsets"]
-    dtype = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "F32": np.float32}[entry["dtype"]]
-    count = (end - start) // np.dtype(dtype).itemsize
-    view = np.memmap(path, dtype=dtype, mode="r", offset=8 + header_len + start, shape=(count,))
-    return view.reshape(entry["shape"])
+    """A read-only row view of one tensor inside its shard (fp8 / e8m0 as uint8 bytes)."""
+    return reader().memmap(name)
 
 
 def ulp_bf16(x: Tensor) -> Tensor:

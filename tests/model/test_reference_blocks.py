@@ -16,6 +16,7 @@ passes when >= 95% of its tokens agree (the issue's goal) and its relative rms e
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -34,6 +35,11 @@ N_BLOCKS = 7
 TOKEN_SHARE = 0.95
 RMS_REL = 1e-4
 PRE_ATOL = 1e-4  # pre is fp32 from bf16 streams: a 1-ulp stream flip moves it by ~4e-5
+
+
+def needs_cuda(test: Callable[..., None]) -> Callable[..., None]:
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.gpu(skip(test))
 
 
 class Agreement(NamedTuple):
@@ -62,15 +68,15 @@ class BlockParts(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def block_parts(i: int, dtype: torch.dtype) -> BlockParts:
+def block_parts(i: int, dtype: torch.dtype, device: str = "cpu") -> BlockParts:
     cfg = fx.text_config()
     attn = HyperConnection(cfg, "attn", device="cpu")
     ffn = HyperConnection(cfg, "ffn", device="cpu")
     moe = MoE(cfg, dtype=dtype, device="cpu")
     for part, prefix in ((attn, f"layers.{i}."), (ffn, f"layers.{i}."), (moe, f"layers.{i}.ffn.")):
         fx.load_slots(part.checkpoint_slots(prefix))
-    norms = [fx.tensor(f"layers.{i}.{n}_norm.weight") for n in ("attn", "ffn")]
-    return BlockParts(attn, ffn, moe, *norms)
+    norms = [fx.tensor(f"layers.{i}.{n}_norm.weight").to(device) for n in ("attn", "ffn")]
+    return BlockParts(attn.to(device), ffn.to(device), moe.to(device), *norms)
 
 
 class BlockRun(NamedTuple):
@@ -79,28 +85,32 @@ class BlockRun(NamedTuple):
     next_pre: Tensor
 
 
-def run_block(i: int, x: Tensor, pre: Tensor, *, quant: str, dtype: torch.dtype) -> BlockRun:
+def run_block(
+    i: int, x: Tensor, pre: Tensor, *, quant: str, dtype: torch.dtype, device: str
+) -> BlockRun:
     """Block i on streams x [T, 4, d] with the reference attention output (teacher forcing)."""
-    parts = block_parts(i, dtype)
+    parts = block_parts(i, dtype, device)
     eps = fx.text_config().rms_norm_eps
     seen: dict[str, Tensor] = {}
 
     def attention(collapsed: Tensor) -> Tensor:
         seen["attn_in"] = rms_norm(collapsed, parts.attn_norm, eps)
-        return ref(f"block{i}.attn_out").to(dtype)
+        return ref(f"block{i}.attn_out").to(device, dtype)
 
     def ffn(collapsed: Tensor) -> Tensor:
         return parts.moe(rms_norm(collapsed, parts.ffn_norm, eps), quant=quant)  # type: ignore[arg-type]
 
-    streams, attn_pre = hc_sublayer(x.to(dtype), pre, parts.attn, attention)
+    streams, attn_pre = hc_sublayer(x.to(device, dtype), pre.to(device), parts.attn, attention)
     out, ffn_pre = hc_sublayer(streams, attn_pre, parts.ffn, ffn)
     return BlockRun(seen["attn_in"], out, ffn_pre)
 
 
 @functools.lru_cache(maxsize=None)
-def teacher_forced(i: int, quant: str = "qat") -> BlockRun:
+def teacher_forced(i: int, quant: str = "qat", device: str = "cpu") -> BlockRun:
     dtype = torch.bfloat16 if quant == "qat" else torch.float32
-    return run_block(i, ref(f"block{i}.in"), ref(f"block{i}.pre_mix_in"), quant=quant, dtype=dtype)
+    x, pre = ref(f"block{i}.in"), ref(f"block{i}.pre_mix_in")
+    run = run_block(i, x, pre, quant=quant, dtype=dtype, device=device)
+    return BlockRun(*(t.cpu() for t in run))
 
 
 def test_first_block_collapses_with_stream_zero() -> None:
@@ -123,6 +133,14 @@ def test_ffn_pre_is_the_next_blocks_attention_pre(i: int) -> None:
 @pytest.mark.parametrize("i", range(N_BLOCKS))
 def test_block_output_teacher_forced(i: int) -> None:
     got = agreement(teacher_forced(i).out, ref(f"block{i}.out"))
+    assert got.token_share >= TOKEN_SHARE and got.rms_rel <= RMS_REL, f"block {i}: {got}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("i", range(N_BLOCKS))
+def test_block_output_teacher_forced_cuda(i: int) -> None:
+    """On CUDA the routed experts take torch._grouped_mm (fp32 sums in another order)."""
+    got = agreement(teacher_forced(i, device="cuda").out, ref(f"block{i}.out"))
     assert got.token_share >= TOKEN_SHARE and got.rms_rel <= RMS_REL, f"block {i}: {got}"
 
 
@@ -166,6 +184,16 @@ def test_engram_gives_the_next_block_input(layer: int) -> None:
     module = engram_layer(layer)
     out = module(engram_input(layer), hash_ids()[:, module.hash_index])
     got = agreement(out, ref(f"block{layer}.in"))
+    assert got.token_share >= TOKEN_SHARE and got.rms_rel <= RMS_REL, f"layer {layer}: {got}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("layer", [0, 1])
+def test_engram_cuda_reads_rows_from_the_host_memmap(layer: int) -> None:
+    module = engram_layer(layer).to("cuda")  # the table stays a host memmap
+    out = module(engram_input(layer).cuda(), hash_ids().cuda()[:, module.hash_index])
+    assert out.is_cuda
+    got = agreement(out.cpu(), ref(f"block{layer}.in"))
     assert got.token_share >= TOKEN_SHARE and got.rms_rel <= RMS_REL, f"layer {layer}: {got}"
 
 

@@ -301,3 +301,20 @@ def test_layer_slots_are_the_checkpoint_names() -> None:
     assert set(slots) == in_ckpt - {"layers.2.ffn.gate.bias_vl"}
     fx.load_slots(slots)  # dtypes and shapes as stored
     assert torch.equal(layer.w2_weight[3], fx.tensor("layers.2.ffn.experts.3.w2.weight"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [32, 3])
+def test_grouped_mm_on_cuda_matches_the_cpu_loop(chunk: int) -> None:
+    xs, counts, experts, rw = _pairs(300, 15, torch.bfloat16)
+    kw = {"swiglu_limit": 10.0, "quant": "qat"}
+    loop = grouped_expert_mlp(xs, counts, *experts, route_weight=rw, backend="loop", **kw).float()
+    on_gpu = [ExpertStack(w.cuda(), s.cuda()) for w, s in experts]
+    got = grouped_expert_mlp(
+        xs.cuda(), counts.cuda(), *on_gpu, route_weight=rw.cuda(), expert_chunk=chunk, **kw
+    )
+    got = got.float().cpu()
+    within_ulp = ((got - loop).abs() <= fx.ulp_bf16(loop)).float().mean().item()
+    rms_rel = ((got - loop).norm() / loop.norm()).item()
+    assert within_ulp >= 0.99 and rms_rel <= 1e-3, (within_ulp, rms_rel)
