@@ -170,3 +170,57 @@ def test_hf_config_flattens_and_keeps_dsv4cp_config(tmp_path: Path) -> None:
     assert (hf.hidden_size, hf.head_dim, hf.vocab_size) == (128, 96, 512)
     assert not hasattr(hf, "text_config") or hf.text_config is None
     assert DeepseekV41Config.from_hf(hf.dsv4cp_config) == DeepseekV41Config.tiny()
+
+
+UPSTREAM_CONFIG = (
+    Path(__file__).resolve().parents[1]
+    / "fixtures"
+    / "dsv41-tiny-reference"
+    / "checkpoint"
+    / "config.json"
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
+def test_upstream_config_becomes_a_text_only_dsv4cp_config() -> None:
+    """`--model-impl dsv4cp` on the released-format fixture: dsv4cp's architecture and model
+    type, the untouched text config, the quantization kept out of SGLang's sight."""
+    from dsv4cp.config import DeepseekV41Config
+    from dsv4cp.integrations.sglang.hf_config import Dsv4cpConfig
+
+    raw = json.loads(UPSTREAM_CONFIG.read_text())
+    hf = Dsv4cpConfig.from_upstream(raw)
+    assert hf.architectures == [ARCHITECTURE] and hf.model_type == MODEL_TYPE
+    assert hf.dsv4cp_source_model_type == "deepseek_v41"
+    assert hf.dsv4cp_quantization_config == raw["quantization_config"]
+    assert getattr(hf, "quantization_config", None) is None
+    assert getattr(hf, "vision_config", None) is None
+    assert hf.dsv4cp_config == {k: v for k, v in raw["text_config"].items() if k != "model_type"}
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.vocab_size) == (128, 7, 256)
+    assert (hf.bos_token_id, hf.eos_token_id) == (0, 1)
+    again = Dsv4cpConfig.from_dict(hf.to_dict())  # SGLang copies configs through dicts
+    assert again.dsv4cp_config == hf.dsv4cp_config
+    assert again.dsv4cp_quantization_config == hf.dsv4cp_quantization_config
+    assert DeepseekV41Config.from_hf(hf.dsv4cp_config).num_hidden_layers == 7
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
+@pytest.mark.parametrize("text_config", ["absent", None, {}, [1, 2]])
+def test_config_without_text_config_is_refused_by_name(text_config: object) -> None:
+    from dsv4cp.integrations.sglang.hf_config import Dsv4cpConfig
+
+    raw = json.loads(UPSTREAM_CONFIG.read_text())
+    if text_config == "absent":
+        del raw["text_config"]
+    else:
+        raw["text_config"] = text_config
+    with pytest.raises(ValueError, match="no text_config"):
+        Dsv4cpConfig.from_upstream(raw)
+    raw["model_type"] = MODEL_TYPE
+    with pytest.raises(ValueError, match="no text_config"):
+        Dsv4cpConfig.from_dict(raw)
+    Dsv4cpConfig()  # transformers' default construction (no checkpoint) still works

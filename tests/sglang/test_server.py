@@ -1,8 +1,11 @@
 """A real `python -m sglang.launch_server` on CPU serving an exported tiny dsv4cp checkpoint.
 
 Checks greedy output against dsv4cp's own runner (lengths across the chunked-prefill size, a
-radix-cache hit), 32 concurrent requests, malformed requests (4xx, server keeps serving),
-`dsv4cp accuracy`, and clean shutdown on SIGTERM and SIGINT.
+radix-cache hit), 32 concurrent requests with shared prefixes against the same requests sent
+alone, malformed requests (4xx, among them the two that killed SGLang 0.5.23's scheduler; the
+server keeps answering identically), `dsv4cp accuracy`, clean shutdown on SIGTERM and SIGINT,
+the same checkpoint typed as upstream DeepSeek-V4.1 (`model_type: deepseek_v41`) served through
+`--model-impl dsv4cp`, and unsupported flags refused at startup in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +63,43 @@ def _get_status(url: str, timeout: float = 5.0) -> int:
         return e.code
 
 
+def _launch_cmd(model_path: Path, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--context-length",
+        "1024",
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--log-level",
+        "info",
+        *extra,
+    ]
+
+
+def _launch_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
+    return env
+
+
 class Server:
-    def __init__(self, model_path: Path, log_path: Path, *, warmup: bool = True) -> None:
+    def __init__(
+        self, model_path: Path, log_path: Path, *, warmup: bool = True, extra: tuple[str, ...] = ()
+    ) -> None:
         from importlib.metadata import entry_points
 
         plugins = entry_points(group="sglang.srt.plugins")
@@ -72,39 +111,17 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model_path),
-            "--device",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--context-length",
-            "1024",
-            "--max-total-tokens",
-            "4096",
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--log-level",
-            "info",
-            # Page size 1: radix prefixes of any length, here an odd one (91 tokens), are shared.
-            "--page-size",
-            "1",
-        ]
+        # Page size 1: radix prefixes of any length, here an odd one (91 tokens), are shared.
+        cmd = _launch_cmd(model_path, self.port, "--page-size", "1", *extra)
         if not warmup:
             cmd.append("--skip-server-warmup")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=_launch_env(),
+            start_new_session=True,
         )
 
     def log_tail(self, n: int = 60) -> str:
@@ -212,12 +229,36 @@ def test_greedy_matches_runner(server: Server, checkpoint: Path, reference) -> N
     assert outs[-1]["meta_info"]["cached_tokens"] >= CHUNK, "no radix-cache hit on the prefix"
 
 
-def test_concurrent_requests(server: Server, reference) -> None:
-    prompts = [_ids(5 + (7 * i) % 76, 100 + i) for i in range(32)]
-    expect = reference(prompts, 4)
+def test_concurrent_requests_with_shared_prefixes(server: Server, reference) -> None:
+    """32 requests in flight at once, 8 on each of 4 shared prefixes (odd and even lengths,
+    one crossing the chunk size), equal the same requests sent one at a time, and the runner.
+    Concurrently first, on a cold cache, so that the prefixes are shared inside batches."""
+    prefixes = [_ids(n, 200 + n) for n in (37, 50, 64, 91)]
+    prompts = [p + _ids(1 + (5 * i) % 12, 300 + i) for p in prefixes for i in range(8)]
     with ThreadPoolExecutor(max_workers=32) as pool:
-        outs = list(pool.map(lambda p: _greedy(server, p, 4), prompts))
-    assert [o["output_ids"] for o in outs] == expect
+        together = list(pool.map(lambda p: _greedy(server, p, 4)["output_ids"], prompts))
+    alone = [_greedy(server, p, 4)["output_ids"] for p in prompts]
+    assert together == alone
+    assert alone == reference(prompts, 4)
+
+
+BASELINE_PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def baseline(server: Server, reference) -> list[int]:
+    """The server's greedy answer before any malformed request (and the runner's)."""
+    out = _greedy(server, BASELINE_PROMPT, NEW_TOKENS)["output_ids"]
+    assert out == reference([BASELINE_PROMPT], NEW_TOKENS)[0]
+    return out
+
+
+def _still_serving(server: Server, baseline: list[int]) -> None:
+    assert _get_status(server.url + "/health") == 200, server.log_tail()
+    assert _greedy(server, BASELINE_PROMPT, NEW_TOKENS)["output_ids"] == baseline
+
+
+GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
 
 
 @pytest.mark.parametrize(
@@ -231,6 +272,16 @@ def test_concurrent_requests(server: Server, reference) -> None:
         {"text": "", "sampling_params": {"max_new_tokens": 2}},
         {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
         {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5000}},
+        # These killed SGLang 0.5.23's scheduler (and the server) before dsv4cp's checks:
+        {**GEN, "return_logprob": True, "logprob_start_len": -5},
+        {**GEN, "return_logprob": True, "top_logprobs_num": 1_000_000},
+        {**GEN, "return_logprob": True, "logprob_start_len": [0]},
+        # 500 before dsv4cp's checks:
+        {**GEN, "rid": ["a", "b"]},
+        # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
+        {**GEN, "return_logprob": True, "top_logprobs_num": -1},
+        {**GEN, "image_data": "http://127.0.0.1:1/x.png"},
+        {**GEN, "return_routed_experts": True},
     ],
     ids=[
         "bad-json",
@@ -241,13 +292,19 @@ def test_concurrent_requests(server: Server, reference) -> None:
         "empty-text",
         "negative-max-new",
         "over-context",
+        "logprob-start-below-minus-one",
+        "top-logprobs-above-vocab",
+        "logprob-start-list",
+        "rid-list-single-prompt",
+        "top-logprobs-negative",
+        "image-data",
+        "routed-experts",
     ],
 )
-def test_malformed_request_is_4xx(server: Server, body: bytes | dict) -> None:
+def test_malformed_request_is_4xx(server: Server, baseline: list[int], body: bytes | dict) -> None:
     status, out = _post(server.url + "/generate", body)
     assert 400 <= status < 500, (status, out)
-    assert _get_status(server.url + "/health") == 200, server.log_tail()
-    assert len(_greedy(server, [5, 6, 7], 2)["output_ids"]) == 2
+    _still_serving(server, baseline)
 
 
 def test_accuracy_cli(server: Server, checkpoint: Path) -> None:
@@ -289,3 +346,88 @@ def test_shutdown_sigint(checkpoint: Path, tmp_path: Path) -> None:
         assert took < SHUTDOWN_S
     finally:
         srv.kill()
+
+
+# ------------------------------------------------------------ upstream-typed, --model-impl dsv4cp
+@pytest.fixture(scope="module")
+def upstream_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The export, typed as an upstream DeepSeek-V4.1 checkpoint (SGLang's own model would
+    take it without --model-impl dsv4cp; today's dsv4cp model has the export's weights)."""
+    path = tmp_path_factory.mktemp("upstream") / "ckpt"
+    shutil.copytree(checkpoint, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v41"
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def upstream_server(upstream_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    # Radix cache off: SGLang answers input_embeds itself (400) while it is on.
+    srv = Server(
+        upstream_checkpoint,
+        tmp_path_factory.mktemp("logs") / "upstream.log",
+        extra=("--model-impl", "dsv4cp", "--disable-radix-cache"),
+    )
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def test_model_impl_dsv4cp_serves_an_upstream_typed_checkpoint(
+    upstream_server: Server, reference
+) -> None:
+    prompts = [_ids(9, 2), _ids(150, 1)]  # the long one takes three chunks
+    outs = [_greedy(upstream_server, p, NEW_TOKENS)["output_ids"] for p in prompts]
+    assert outs == reference(prompts, NEW_TOKENS)
+    log = upstream_server.log_path.read_text(errors="replace")
+    assert "type=DeepseekV41ForCausalLM" in log and "dsv4cp: KV cache of" in log
+
+
+def test_input_embeds_is_refused_not_ignored(upstream_server: Server, reference) -> None:
+    before = _greedy(upstream_server, BASELINE_PROMPT, NEW_TOKENS)["output_ids"]
+    assert before == reference([BASELINE_PROMPT], NEW_TOKENS)[0]
+    for embeds in ([[0.5] * 128] * 3, [[0.1] * 5]):  # the model's width and a wrong width
+        body = {"input_embeds": embeds, "sampling_params": {"max_new_tokens": 4}}
+        status, out = _post(upstream_server.url + "/generate", body)
+        assert status == 400 and "input_embeds is not supported" in str(out), (status, out)
+    _still_serving(upstream_server, before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            (
+                "--model-impl",
+                "dsv4cp",
+                "--tp",
+                "2",
+                "--enable-prefill-cp",
+                "--cp-strategy",
+                "zigzag",
+            ),
+            "dsv4cp: --cp-strategy zigzag is not supported yet; use --cp-strategy interleave",
+        ),
+        (
+            ("--model-impl", "dsv4cp", "--tp", "2"),
+            "dsv4cp: --tp 2 needs --enable-prefill-cp --cp-strategy interleave: "
+            "dsv4cp has no tensor parallelism, its ranks split the prompt tokens (CP)",
+        ),
+    ],
+)
+def test_unsupported_flags_fail_at_startup_in_one_line(
+    upstream_checkpoint: Path, flags: tuple[str, ...], message: str
+) -> None:
+    res = subprocess.run(
+        _launch_cmd(upstream_checkpoint, _free_port(), *flags),
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_S,
+        env=_launch_env(),
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"sglang serve: error: {message}"
+    assert "Traceback" not in res.stderr + res.stdout

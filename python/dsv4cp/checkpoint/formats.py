@@ -4,14 +4,14 @@ shape of a quantized weight's `.scale` (the fixture checkpoint's README.md, "Sto
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, cast
 
 TensorKind = Literal["fp8", "fp4", "fp8_rows", "scale", "bf16", "f32"]
 BLOCK = 32  # weight_block_size [32, 32]; fp4 and Engram scales are per 32 inputs
 
 _LAYER = r"^(layers|mtp)\.\d+\."
 _RULES: tuple[tuple[re.Pattern[str], TensorKind], ...] = tuple(
-    (re.compile(pattern), kind)
+    (re.compile(pattern), cast(TensorKind, kind))
     for pattern, kind in (
         (_LAYER + r"ffn\.experts\.\d+\.w[123]\.weight$", "fp4"),
         (

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels.dispatch import interpreting
+from dsv4cp.kernels._triton import interpreting
 from dsv4cp.ops.linear import WEIGHT_BLOCK, fp8_scale_shape
 from dsv4cp.ops.quant import scale_to_float
 
@@ -53,7 +53,14 @@ def _e4m3_rne(v):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, stride_cm, stride_sm,
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_cm,
+    stride_sm,
     BLOCK: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -99,15 +106,35 @@ def act_quant_fp8(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     grid = (triton.cdiv(m, _ROWS_PER_QUANT_PROGRAM), triton.cdiv(k // block, n_blocks))
     if m:
         _act_quant_kernel[grid](
-            x2, codes, scale, m, k, x2.stride(0), codes.stride(0), scale.stride(0),
-            BLOCK=block, N_BLOCKS=n_blocks, ROWS=_ROWS_PER_QUANT_PROGRAM,
+            x2,
+            codes,
+            scale,
+            m,
+            k,
+            x2.stride(0),
+            codes.stride(0),
+            scale.stride(0),
+            BLOCK=block,
+            N_BLOCKS=n_blocks,
+            ROWS=_ROWS_PER_QUANT_PROGRAM,
         )
     return codes.view(*x.shape), scale.view(*x.shape[:-1], k // block)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
     stride_cm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -173,9 +200,24 @@ def fp8_linear(
     if m:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _fp8_gemm_kernel[grid](
-            codes, a_scale, w, b_scale, out, m, n, k,
-            codes.stride(0), a_scale.stride(0), w.stride(0), b_scale.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=WEIGHT_BLOCK, STAGES=stages,
-            UPCAST=interpreting(), num_warps=warps,
+            codes,
+            a_scale,
+            w,
+            b_scale,
+            out,
+            m,
+            n,
+            k,
+            codes.stride(0),
+            a_scale.stride(0),
+            w.stride(0),
+            b_scale.stride(0),
+            out.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=WEIGHT_BLOCK,
+            STAGES=stages,
+            UPCAST=interpreting(),
+            num_warps=warps,
         )
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)

@@ -29,12 +29,12 @@ class HyperConnection(nn.Module):
         self.hc_eps = config.hc_eps
         self.norm_eps = config.rms_norm_eps
         mix = (2 + hc) * hc
-        f32 = {"dtype": torch.float32, "device": device}
+        f32 = torch.float32
         self.fn = nn.Parameter(
-            torch.zeros(mix, hc * config.hidden_size, **f32), requires_grad=False
+            torch.zeros(mix, hc * config.hidden_size, dtype=f32, device=device), requires_grad=False
         )
-        self.base = nn.Parameter(torch.zeros(mix, **f32), requires_grad=False)
-        self.scale = nn.Parameter(torch.zeros(3, **f32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(mix, dtype=f32, device=device), requires_grad=False)
+        self.scale = nn.Parameter(torch.zeros(3, dtype=f32, device=device), requires_grad=False)
 
     def forward(self, x: Tensor) -> HcMixes:
         return hc_mixes(

@@ -49,6 +49,11 @@ class MoE(nn.Module):
             }
         )
 
+    def _shared(self, name: str) -> QuantWeight:
+        lin = self.shared[name]
+        assert isinstance(lin, Linear)
+        return QuantWeight(lin.weight, lin.scale)
+
     def stack(self, name: str) -> ExpertStack:
         return ExpertStack(getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale"))
 
@@ -56,9 +61,8 @@ class MoE(nn.Module):
         self, x: Tensor, quant: QuantMode = "qat", backend: GroupedBackend = "auto"
     ) -> Tensor:
         """x [T, d] (the ffn_norm output) → [T, d] in x.dtype."""
-        shared = tuple(
-            QuantWeight(self.shared[n].weight, self.shared[n].scale) for n in _PROJECTIONS
-        )
+        w1, w3, w2 = (self._shared(n) for n in _PROJECTIONS)
+        shared = (w1, w3, w2)
         return moe(
             x,
             gate_weight=self.gate_weight,
@@ -67,18 +71,23 @@ class MoE(nn.Module):
             shared=shared,
             spec=self.spec,
             quant=quant,
-            backend=backend,  # type: ignore[arg-type]
+            backend=backend,
         )
 
     def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:
         """Checkpoint name → destination tensor (views into the expert stacks); prefix is the
         FFN's, e.g. ``"layers.3.ffn."``."""
-        slots = {f"{prefix}gate.weight": self.gate_weight, f"{prefix}gate.bias": self.gate_bias}
+        slots: dict[str, Tensor] = {
+            f"{prefix}gate.weight": self.gate_weight,
+            f"{prefix}gate.bias": self.gate_bias,
+        }
         for name in _PROJECTIONS:
             weight, scale = self.stack(name)
             for e in range(self.spec.n_routed_experts):
                 slots[f"{prefix}experts.{e}.{name}.weight"] = weight[e]
                 slots[f"{prefix}experts.{e}.{name}.scale"] = scale[e]
-            slots[f"{prefix}shared_experts.{name}.weight"] = self.shared[name].weight
-            slots[f"{prefix}shared_experts.{name}.scale"] = self.shared[name].scale
+            shared = self._shared(name)
+            assert shared.scale is not None
+            slots[f"{prefix}shared_experts.{name}.weight"] = shared.weight
+            slots[f"{prefix}shared_experts.{name}.scale"] = shared.scale
         return slots

@@ -44,7 +44,7 @@ def check_quant_mode(mode: str) -> QuantMode:
     """Return `mode` if it is one of QUANT_MODES; NotImplementedError for a declared later mode,
     ValueError naming the allowed values otherwise."""
     if mode in QUANT_MODES:
-        return mode  # type: ignore[return-value]
+        return mode
     if mode in _LATER_MODES:
         raise NotImplementedError(
             f"quant mode {mode!r} ({_LATER_MODES[mode]}) is not implemented; "

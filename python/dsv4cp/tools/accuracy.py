@@ -169,10 +169,40 @@ class Reference:
         return input_lp, torch.stack(rows)
 
 
+def incomplete_answer(meta: dict, *, prompt_len: int, new_tokens: int, top_k: int) -> str | None:
+    """Why a `greedy_payload` answer lacks something that was asked for, or None.
+
+    The payload sets `ignore_eos`, `logprob_start_len` 0 and `top_logprobs_num`, so a complete
+    answer has `new_tokens` output tokens and logprobs, `top_k` candidates per step, and
+    logprobs (and top-k, after the first) for every prompt token."""
+    out = meta.get("output_token_logprobs") or []
+    if len(out) != new_tokens:
+        return f"server returned {len(out)} tokens, asked for {new_tokens}"
+    tops = meta.get("output_top_logprobs") or []
+    if len(tops) != new_tokens or any(len(t or []) != top_k for t in tops):
+        return f"server returned fewer than {top_k} top logprobs for some of {new_tokens} steps"
+    inputs = meta.get("input_token_logprobs") or []
+    if len(inputs) != prompt_len or any(t[0] is None for t in inputs[1:]):
+        return f"server returned {len(inputs)} prompt logprobs, asked for {prompt_len}"
+    in_tops = meta.get("input_top_logprobs") or []
+    if len(in_tops) != prompt_len or any(len(t or []) != top_k for t in in_tops[1:]):
+        return f"server returned fewer than {top_k} top logprobs for some prompt tokens"
+    return None
+
+
 def compare_one(
-    index: int, prompt: list[int], server: dict, ref: Reference, atol: float, top_k: int
+    index: int,
+    prompt: list[int],
+    server: dict,
+    ref: Reference,
+    atol: float,
+    top_k: int,
+    new_tokens: int,
 ) -> PromptResult:
     meta = server["meta_info"]
+    missing = incomplete_answer(meta, prompt_len=len(prompt), new_tokens=new_tokens, top_k=top_k)
+    if missing is not None:
+        return PromptResult(index, len(prompt), 0, 0, 0, None, 0.0, 0.0, 0.0, error=missing)
     out_lp = meta["output_token_logprobs"]
     tokens = [int(t[1]) for t in out_lp]
     input_lp, rows = ref.logprobs(prompt, tokens)
@@ -227,6 +257,10 @@ def run_accuracy(
     prompts: tuple[str, ...] = PROMPTS,
     timeout_s: float = 300.0,
 ) -> Report:
+    if not (math.isfinite(atol) and atol >= 0):
+        raise ValueError(f"atol must be a finite number >= 0, got {atol}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
     tok = load_tokenizer(model_path)
     ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
     ref = Reference(model_path, dtype)
@@ -245,7 +279,7 @@ def run_accuracy(
             report.results.append(PromptResult(i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0, ans))
             continue
         try:
-            report.results.append(compare_one(i, p, ans, ref, atol, top_k))
+            report.results.append(compare_one(i, p, ans, ref, atol, top_k, max_new_tokens))
         except (KeyError, IndexError, TypeError) as e:
             report.results.append(
                 PromptResult(

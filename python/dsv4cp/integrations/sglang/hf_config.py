@@ -1,10 +1,16 @@
-"""The transformers config class of a dsv4cp checkpoint, as SGLang's processes load it.
+"""The transformers config class of a dsv4cp-served model, as SGLang's processes load it.
 
 SGLang reads a handful of flat attributes (sizes, context length, dtype, token ids) to build its
 scheduler, tokenizer manager and memory pools. The dsv4cp attention config itself travels
 untouched in `dsv4cp_config` (the checkpoint's `text_config`), read back by the model class with
 `DeepseekV41Config.from_hf`; `rope_scaling` is kept out of the transformers fields on purpose, so
 transformers' RoPE standardisation never rewrites it.
+
+Two sources: a dsv4cp export (`model_type` MODEL_TYPE, through `AutoConfig`), and an upstream
+DeepSeek-V4.1 `config.json` (`from_upstream`, for `--model-impl dsv4cp`). The upstream
+`quantization_config` is kept as `dsv4cp_quantization_config`, out of SGLang's sight (SGLang
+would otherwise build its own FP8 method for the model), and the vision tower is dropped: a
+dsv4cp-served model is text-only.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ _FLAT = (
     "max_position_embeddings",
     "rms_norm_eps",
 )
+# Top-level upstream fields a text-only dsv4cp-served model does not expose to SGLang.
+_UPSTREAM_DROPPED = ("model_type", "vision_config", "image_token_id", "quantization_config")
+
+
+def check_text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `text_config` object of a config.json dict; ValueError naming `source` if absent."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict) or not text:
+        raise ValueError(
+            f"{source}: config.json has no text_config object (the model's fields); "
+            f"got {type(text).__name__}"
+        )
+    return text
 
 
 class Dsv4cpConfig(PretrainedConfig):
@@ -47,7 +66,28 @@ class Dsv4cpConfig(PretrainedConfig):
         kwargs.setdefault("num_key_value_heads", 1)
         kwargs.setdefault("tie_word_embeddings", False)
         self.dsv4cp_config = dsv4cp
+        self.dsv4cp_quantization_config = kwargs.pop("dsv4cp_quantization_config", None)
+        self.dsv4cp_source_model_type = kwargs.pop("dsv4cp_source_model_type", MODEL_TYPE)
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        # Loading a checkpoint (not the no-argument construction transformers does for
+        # defaults): a missing text_config is a clear error, not an AttributeError in SGLang.
+        if "dsv4cp_config" not in config_dict:
+            check_text_config(config_dict, f"dsv4cp checkpoint ({MODEL_TYPE})")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_upstream(cls, raw: dict[str, Any]) -> Dsv4cpConfig:
+        """From an upstream DeepSeek-V4.1 config.json dict (`model_type` deepseek_v41)."""
+        text = check_text_config(raw, "DeepSeek-V4.1 checkpoint (deepseek_v41)")
+        fields = {k: v for k, v in raw.items() if k not in _UPSTREAM_DROPPED}
+        fields["text_config"] = text
+        fields["architectures"] = [ARCHITECTURE]
+        fields["dsv4cp_quantization_config"] = raw.get("quantization_config")
+        fields["dsv4cp_source_model_type"] = raw.get("model_type")
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

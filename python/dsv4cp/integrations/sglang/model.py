@@ -27,7 +27,6 @@ from `min_tokens_eager` (8192) local tokens, where eager multistream measured fa
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,20 +37,20 @@ from dsv4cp.batch import build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.group import CPGroup, SingleCPGroup
+from dsv4cp.cp.group import CPGroup
 from dsv4cp.executors import ExecutorFactory
+from dsv4cp.integrations.sglang.cp import SGLangCP
 from dsv4cp.integrations.sglang.forward_batch import (
     SGLangBatch,
     from_forward_batch,
     sync_req_to_token,
 )
+from dsv4cp.integrations.sglang.server_args import CPSettings, cp_settings_from_server_args
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.ops import rms_norm
 from dsv4cp.policy import MultistreamPolicy
 
 logger = logging.getLogger(__name__)
-
-CP_ENV = "DSV4CP_SGLANG_CP"
 
 
 class _Head:
@@ -93,6 +92,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError("dsv4cp: the HF config has no dsv4cp_config (not a dsv4cp checkpoint)")
         self.config = config
         self.dsv4cp_config = DeepseekV41Config.from_hf(dict(raw))
+        self._cp = SGLangCP(CPSettings())  # no CP unless SGLang published its CP flags
         max_total_tokens, page_size = self._check_server_args()
         self.dsv4cp = DeepseekV41Model(
             self.dsv4cp_config,
@@ -104,7 +104,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         self.lm_head = _Head(self.dsv4cp)
         self.ratios = sorted({r for r in self.dsv4cp_config.layer_ratios if r})
-        self._cp: CPGroup | None = None
         self.executors = ExecutorFactory.create(
             MultistreamPolicy.from_env(),
             device=self.dsv4cp.device,
@@ -125,11 +124,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             parallel, schedule = get_parallel(), get_schedule()
         except Exception:  # not published (the class built by hand, outside a server)
             return None, 1
-        if getattr(parallel, "attn_cp_size", 1) > 1:
-            raise NotImplementedError(
-                "dsv4cp: SGLang's --enable-prefill-cp shards the model inputs itself; dsv4cp runs "
-                f"its own CP instead: drop the CP flags and set {CP_ENV}=tp with --tp N"
-            )
+        self._cp = SGLangCP(cp_settings_from_server_args(parallel))
         page_size = getattr(schedule, "page_size", None) or 1
         max_total = getattr(schedule, "max_total_tokens", None)
         if not max_total and torch.get_default_device().type == "cuda":
@@ -150,23 +145,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             device=m.device,
             dtype=m.dtype,
         )
-
-    def _cp_group(self, batch: SGLangBatch) -> CPGroup:
-        mode = os.environ.get(CP_ENV, "off")
-        if mode not in ("off", "tp"):
-            raise ValueError(f"dsv4cp: {CP_ENV} must be 'off' or 'tp', got {mode!r}")
-        if mode == "off":
-            return SingleCPGroup()
-        if self._cp is None:
-            from sglang.srt.distributed.parallel_state import get_tp_group
-
-            from dsv4cp.cp.dist import TorchDistCPGroup
-
-            self._cp = TorchDistCPGroup(get_tp_group().device_group)
-        # Decode and tiny extends run replicated on every rank (no collective), like SGLang.
-        if batch.mode != "extend" or batch.num_tokens < self._cp.cp_size:
-            return SingleCPGroup()
-        return self._cp
 
     def _cache_for(self, forward_batch: Any) -> tuple[KVCache, Tensor]:
         pool, r2t = _pools(forward_batch)
@@ -218,7 +196,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         else:
             cache, r2t = self._cache_for(forward_batch)
             sync_req_to_token(cache.req_to_token, r2t, batch)
-            hidden = self.hidden_states(batch, cache, self._cp_group(batch))
+            hidden = self.hidden_states(batch, cache, self._cp.group_for(forward_batch))
         normed = rms_norm(hidden, m.norm, m.config.rms_norm_eps)
         return self.logits_processor(input_ids, normed, self.lm_head, forward_batch)
 

@@ -1,0 +1,119 @@
+"""Request checks the plugin adds on top of SGLang 0.5.23's, for dsv4cp-served models.
+
+`validate_generate_request` runs in the tokenizer manager on each single request (a batch is
+split into items first), before anything reaches the scheduler; its ValueError becomes HTTP 400.
+Two classes of defect are covered:
+
+- a per-request field of the wrong type or out of range that SGLang forwards unchecked and its
+  scheduler then fails on, which kills the scheduler and with it the server: `logprob_start_len`
+  below -1 or not an int (a list for a single request), `top_logprobs_num` above the vocabulary
+  or negative, token ids outside the vocabulary, a prompt with no tokens; or that fails in the
+  tokenizer manager with a 500 (`rid` a list for a single prompt: `validate_request_ids`, run
+  after batch normalisation, before SGLang files the request under its id);
+- a field SGLang accepts but a dsv4cp-served model cannot honour, which would be ignored
+  silently: `input_embeds` (the model embeds token ids itself), multimodal data, positional
+  embedding overrides, LoRA adapters, routed-expert or indexer top-k returns.
+
+Pure: reads attributes of SGLang's `GenerateReqInput` item, imports nothing from sglang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+__all__ = ["validate_generate_request", "validate_request_ids"]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_opt_str(v: object) -> bool:
+    return v is None or isinstance(v, str)
+
+
+# (field, accepted, message): the request is refused when `accepted(value)` is false.
+_TYPE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
+    ("rid", _is_opt_str, "must be a string for a single prompt"),
+    ("return_logprob", lambda v: isinstance(v, bool), "must be true or false"),
+    ("stream", lambda v: isinstance(v, bool), "must be true or false"),
+    (
+        "logprob_start_len",
+        lambda v: _is_int(v) and int(v) >= -1,  # type: ignore[call-overload]
+        "must be an integer >= -1 (-1: no input logprobs)",
+    ),
+    ("session_id", _is_opt_str, "must be a string"),
+    ("session_params", lambda v: v is None or isinstance(v, dict), "must be an object"),
+    ("extra_key", _is_opt_str, "must be a string"),
+    ("cache_salt", _is_opt_str, "must be a string"),
+    ("routing_key", _is_opt_str, "must be a string"),
+    ("priority", lambda v: v is None or _is_int(v), "must be an integer"),
+    (
+        "routed_dp_rank",
+        lambda v: v is None or v == 0,
+        "must be 0 or absent: a dsv4cp-served model runs without data parallelism",
+    ),
+)
+
+# Fields a dsv4cp-served model cannot honour: refused, never ignored.
+_UNSUPPORTED: tuple[tuple[str, str], ...] = (
+    ("input_embeds", "dsv4cp embeds token ids itself; send text or input_ids"),
+    ("positional_embed_overrides", "dsv4cp embeds token ids itself"),
+    ("image_data", "a dsv4cp-served model is text-only"),
+    ("video_data", "a dsv4cp-served model is text-only"),
+    ("audio_data", "a dsv4cp-served model is text-only"),
+    ("lora_path", "dsv4cp serves no LoRA adapters"),
+    ("lora_id", "dsv4cp serves no LoRA adapters"),
+    ("return_routed_experts", "dsv4cp does not record routed experts"),
+    ("return_indexer_topk", "dsv4cp does not return the indexer's top-k"),
+    ("multi_item_delimiter_indices", "multi-item scoring is not supported by dsv4cp"),
+    ("token_indices_to_pool", "pooling is not supported by dsv4cp"),
+)
+
+
+def _present(v: object) -> bool:
+    if v is None or v is False:
+        return False
+    if isinstance(v, (list, tuple, dict, str)) and not v:
+        return False
+    if isinstance(v, (list, tuple)) and all(x is None for x in v):
+        return False
+    return True
+
+
+def validate_generate_request(
+    obj: object, input_ids: Sequence[int] | None, *, vocab_size: int
+) -> None:
+    """Raise ValueError (HTTP 400) naming the field when one request item is not servable.
+
+    `obj` is one item of SGLang's `GenerateReqInput` after batch normalisation; `input_ids` the
+    prompt's tokens (None for `input_embeds` requests)."""
+    for name, message in _UNSUPPORTED:
+        if _present(getattr(obj, name, None)):
+            raise ValueError(f"{name} is not supported: {message}")
+    for name, accepted, message in _TYPE_RULES:
+        if hasattr(obj, name) and not accepted(getattr(obj, name)):
+            raise ValueError(f"{name} {message}, got {getattr(obj, name)!r}")
+    top = getattr(obj, "top_logprobs_num", 0)
+    if not _is_int(top) or not 0 <= top <= vocab_size:
+        raise ValueError(
+            f"top_logprobs_num must be an integer in [0, {vocab_size}] (the vocabulary), "
+            f"got {top!r}"
+        )
+    if input_ids is None:
+        return
+    if len(input_ids) == 0:  # e.g. text "": an empty extend would reach the model
+        raise ValueError("the prompt has no tokens")
+    bad = next((t for t in input_ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"input token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_request_ids(obj: object) -> None:
+    """`rid` of a normalised request: a string for a single prompt, strings for a batch."""
+    rid = getattr(obj, "rid", None)
+    if getattr(obj, "is_single", True):
+        if not isinstance(rid, str):
+            raise ValueError(f"rid must be a string for a single prompt, got {rid!r}")
+    elif not (isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+        raise ValueError(f"rid must be a list of strings for a batch, got {rid!r}")

@@ -1,0 +1,126 @@
+"""dsv4cp's request checks (integrations/sglang/request_validation.py), without a server.
+
+The same requests go through a real server in test_server.py; here every rule is exercised on a
+stand-in of one normalised `GenerateReqInput` item.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dsv4cp.integrations.sglang.request_validation import (
+    validate_generate_request,
+    validate_request_ids,
+)
+
+VOCAB = 512
+
+
+def _item(**fields: object) -> SimpleNamespace:
+    """A valid single request item as SGLang normalises it, with `fields` replaced."""
+    base = dict(
+        rid="r0",
+        return_logprob=False,
+        stream=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        session_id=None,
+        session_params=None,
+        extra_key=None,
+        cache_salt=None,
+        routing_key=None,
+        priority=None,
+        routed_dp_rank=None,
+        input_embeds=None,
+        positional_embed_overrides=None,
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        lora_path=None,
+        lora_id=None,
+        return_routed_experts=False,
+        return_indexer_topk=False,
+        multi_item_delimiter_indices=None,
+        token_indices_to_pool=None,
+        is_single=True,
+    )
+    base.update(fields)
+    return SimpleNamespace(**base)
+
+
+def test_valid_requests_pass() -> None:
+    validate_generate_request(_item(), [1, 2, 3], vocab_size=VOCAB)
+    validate_generate_request(
+        _item(
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=VOCAB,
+            priority=3,
+            routed_dp_rank=0,
+            image_data=[None],
+            session_params={"id": "s"},
+        ),
+        [0, VOCAB - 1],
+        vocab_size=VOCAB,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        # the two requests that killed SGLang 0.5.23's scheduler (reliability probe D1)
+        ({"return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
+        ({"return_logprob": True, "top_logprobs_num": 1_000_000}, "top_logprobs_num"),
+        # the same fields with the wrong type for a single prompt (a list kills the scheduler)
+        ({"return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len"),
+        ({"logprob_start_len": True}, "logprob_start_len"),
+        ({"top_logprobs_num": [2]}, "top_logprobs_num"),
+        ({"top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"top_logprobs_num": VOCAB + 1}, "top_logprobs_num"),
+        ({"return_logprob": [True]}, "return_logprob"),
+        ({"stream": "yes"}, "stream"),
+        ({"rid": ["a", "b"]}, "rid"),
+        ({"priority": 1.5}, "priority"),
+        ({"routed_dp_rank": 2}, "routed_dp_rank"),
+        ({"session_params": "x"}, "session_params"),
+        ({"extra_key": 5}, "extra_key"),
+        # fields a dsv4cp-served model cannot honour: refused, never ignored
+        ({"input_embeds": [[0.5] * 8]}, "input_embeds"),
+        ({"positional_embed_overrides": {"a": 1}}, "positional_embed_overrides"),
+        ({"image_data": "http://x/y.png"}, "image_data"),
+        ({"video_data": ["v.mp4"]}, "video_data"),
+        ({"audio_data": "a.wav"}, "audio_data"),
+        ({"lora_path": "adapter"}, "lora_path"),
+        ({"return_routed_experts": True}, "return_routed_experts"),
+        ({"return_indexer_topk": True}, "return_indexer_topk"),
+        ({"multi_item_delimiter_indices": [1]}, "multi_item_delimiter_indices"),
+        ({"token_indices_to_pool": [0]}, "token_indices_to_pool"),
+    ],
+)
+def test_bad_field_is_refused_by_name(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_generate_request(_item(**fields), [1, 2], vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("ids", [[], [1, VOCAB], [-1, 5], [2**40], [1.5], ["5"], [True]])
+def test_prompt_tokens_must_be_vocabulary_ids(ids: list) -> None:
+    with pytest.raises(ValueError, match="prompt has no tokens|outside the vocabulary"):
+        validate_generate_request(_item(), ids, vocab_size=VOCAB)
+
+
+def test_input_embeds_without_ids_is_refused() -> None:
+    with pytest.raises(ValueError, match="input_embeds"):
+        validate_generate_request(_item(input_embeds=[[0.1, 0.2]]), None, vocab_size=VOCAB)
+
+
+def test_request_ids_match_the_request_shape() -> None:
+    validate_request_ids(_item(rid="x"))
+    validate_request_ids(_item(rid=["a", "b"], is_single=False))
+    for obj in (_item(rid=["a"]), _item(rid=5), _item(rid=None)):
+        with pytest.raises(ValueError, match="rid must be a string"):
+            validate_request_ids(obj)
+    with pytest.raises(ValueError, match="list of strings"):
+        validate_request_ids(_item(rid=["a", 3], is_single=False))

@@ -1,0 +1,384 @@
+"""Model selection, flag checks and the CP-flag mapping (integrations/sglang/server_args.py).
+
+The pure tests run on stand-in server args carrying SGLang 0.5.23's defaults (checked against
+SGLang's own parser below). The `sglang`-marked tests run SGLang's CLI parsing and its whole
+server-arg resolution in this process, with the plugin loaded: `--tp > 1` cannot start on CPU,
+but its resolution can, and that is where the mapping happens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
+from dsv4cp.integrations.sglang.server_args import (
+    CPSettings,
+    Dsv4cpServerArgsError,
+    check_server_args,
+    cp_settings_from_server_args,
+    resolution_declarations,
+    served_by_dsv4cp,
+)
+
+UPSTREAM = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41-tiny-reference" / "checkpoint"
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+
+# SGLang 0.5.23's defaults of the fields the checks read (test_defaults_are_sglangs).
+DEFAULTS = dict(
+    model_impl="auto",
+    model_config_parser="auto",
+    tp_size=1,
+    pp_size=1,
+    dp_size=1,
+    attn_dp_size=1,
+    enable_dp_attention=False,
+    dcp_size=1,
+    attn_cp_size=1,
+    enable_prefill_cp=False,
+    cp_strategy=None,
+    ep_size=1,
+    moe_a2a_backend="none",
+    moe_runner_backend="auto",
+    enable_two_batch_overlap=False,
+    speculative_algorithm=None,
+    quantization=None,
+    kv_cache_dtype="auto",
+    attention_backend=None,
+    prefill_attention_backend=None,
+    decode_attention_backend=None,
+    dsv4_attn_backend="auto",
+    enable_lora=None,
+    lora_paths=None,
+    enable_multimodal=None,
+    is_embedding=False,
+    disaggregation_mode="null",
+    enable_hisparse=False,
+    json_model_override_args="{}",
+    device="cpu",
+    max_total_tokens=None,
+)
+CP4 = dict(tp_size=4, enable_prefill_cp=True, cp_strategy="interleave")
+
+
+def _args(**fields: object) -> SimpleNamespace:
+    return SimpleNamespace(**{**DEFAULTS, **fields})
+
+
+# ---------------------------------------------------------------------------------- selection
+@pytest.mark.parametrize(
+    ("model_type", "fields", "served"),
+    [
+        ("deepseek_v41", {}, False),  # SGLang's own V4.1 model, untouched
+        ("deepseek_v41", {"model_impl": "dsv4cp"}, True),
+        ("deepseek_v41", {"model_config_parser": "dsv4cp"}, True),
+        ("deepseek_v41", {"model_impl": "sglang"}, False),
+        (MODEL_TYPE, {}, True),  # a dsv4cp export has no other implementation
+        (MODEL_TYPE, {"model_impl": "dsv4cp"}, True),
+        ("llama", {}, False),
+    ],
+)
+def test_which_checkpoints_dsv4cp_serves(model_type: str, fields: dict, served: bool) -> None:
+    assert served_by_dsv4cp(model_type, _args(**fields)) is served
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "match"),
+    [
+        (MODEL_TYPE, {"model_impl": "transformers"}, "only dsv4cp's implementation"),
+        ("llama", {"model_impl": "dsv4cp"}, "model_type 'llama'"),
+        (
+            "deepseek_v41",
+            {"model_impl": "dsv4cp", "model_config_parser": "hf"},
+            "--model-config-parser hf",
+        ),
+    ],
+)
+def test_impossible_selections_are_refused(model_type: str, fields: dict, match: str) -> None:
+    with pytest.raises(Dsv4cpServerArgsError, match=match):
+        served_by_dsv4cp(model_type, _args(**fields))
+
+
+# ---------------------------------------------------------------------------------- CP mapping
+@pytest.mark.parametrize(
+    ("fields", "size"),
+    [
+        ({}, 1),
+        ({"tp_size": 1, "enable_prefill_cp": True, "cp_strategy": "interleave"}, 1),
+        (CP4, 4),
+        ({**CP4, "attn_cp_size": 4}, 4),
+        ({"tp_size": 8, "enable_prefill_cp": True, "cp_strategy": "interleave"}, 8),
+    ],
+)
+def test_cp_flags_map_to_dsv4cp_cp(fields: dict, size: int) -> None:
+    settings = check_server_args(_args(**fields))
+    assert settings == cp_settings_from_server_args(_args(**fields))
+    assert settings.size == size and settings.enabled is (size > 1)
+    assert settings.strategy == ("interleave" if size > 1 else None)
+    decl = resolution_declarations(_args(**fields))
+    assert decl["attention_backend"] == "torch_native"
+    if size > 1:
+        assert decl["attn_cp_size"] == size and decl["enable_cp_tp_group_sharing"] is True
+    else:
+        assert "attn_cp_size" not in decl and "enable_cp_tp_group_sharing" not in decl
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({**CP4, "cp_strategy": "zigzag"}, "--cp-strategy zigzag is not supported"),
+        ({"tp_size": 4, "enable_prefill_cp": True}, "needs --cp-strategy interleave"),
+        ({"cp_strategy": "interleave"}, "no effect without --enable-prefill-cp"),
+        ({**CP4, "attn_cp_size": 2}, "--attn-cp-size 2 must equal --tp 4"),
+        ({"tp_size": 4, "attn_cp_size": 4}, "--attn-cp-size needs --enable-prefill-cp"),
+        ({"tp_size": 2}, "--tp 2 needs --enable-prefill-cp"),
+        ({"pp_size": 2}, "--pp-size"),
+        ({**CP4, "dp_size": 2}, "data parallelism"),
+        ({"enable_dp_attention": True}, "data parallelism"),
+        ({"dcp_size": 2}, "--dcp-size"),
+        ({"ep_size": 2}, "--ep-size"),
+        ({"moe_runner_backend": "triton"}, "--moe-runner-backend"),
+        ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
+        ({"enable_two_batch_overlap": True}, "two-batch-overlap"),
+        ({"speculative_algorithm": "EAGLE"}, "speculative"),
+        ({"quantization": "fp8"}, "--quantization"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
+        ({"attention_backend": "dsv4"}, "--attention-backend dsv4"),
+        ({"prefill_attention_backend": "fa3"}, "--prefill-attention-backend fa3"),
+        ({"dsv4_attn_backend": "flashmla"}, "--dsv4-attn-backend"),
+        ({"enable_lora": True}, "LoRA"),
+        ({"lora_paths": ["a=b"]}, "LoRA"),
+        ({"enable_multimodal": True}, "text-only"),
+        ({"is_embedding": True}, "--is-embedding"),
+        ({"disaggregation_mode": "prefill"}, "disaggregation"),
+        ({"enable_hisparse": True}, "hisparse"),
+        ({"json_model_override_args": '{"num_hidden_layers": 2}'}, "--json-model-override-args"),
+        ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
+        ({"device": "cuda", "max_total_tokens": None}, "--max-total-tokens on CUDA"),
+        ({"device": "npu"}, "--device npu"),
+    ],
+)
+def test_unsupported_flags_are_refused_in_one_line(fields: dict, match: str) -> None:
+    with pytest.raises(Dsv4cpServerArgsError, match=match) as e:
+        check_server_args(_args(**fields))
+    assert "\n" not in str(e.value) and str(e.value).startswith("dsv4cp: ")
+
+
+def test_flags_that_apply_are_accepted() -> None:
+    ok = _args(
+        device="cuda",
+        max_total_tokens=262144,
+        page_size=64,
+        attention_backend="torch_native",
+        chunked_prefill_size=16384,
+        context_length=65536,
+        **CP4,
+    )
+    assert check_server_args(ok) == CPSettings(4, "interleave")
+
+
+# ---------------------------------------------------------------------------------- in SGLang
+@pytest.fixture(scope="module")
+def sglang_with_plugin():
+    """SGLang with dsv4cp's plugin loaded in this process (as `launch_server` does)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from dsv4cp.integrations.sglang import plugin
+
+    assert plugin._registered, "the dsv4cp sglang.srt.plugins entry point is not installed"
+    from sglang.srt import server_args
+
+    return server_args
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULTS))
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_defaults_are_sglangs(name: str) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    parsed = prepare_server_args(["--model-path", "x", "--device", "cpu"])
+    assert getattr(parsed, name) == DEFAULTS[name]
+
+
+def _resolve(sglang_with_plugin, argv: list[str]) -> tuple[object, object]:
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+
+    args = sglang_with_plugin.prepare_server_args(argv)
+    args.resolve_once()
+    return resolving_view(args), model_config_of(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "size"),
+    [
+        ([], 1),
+        (["--tp", "4", "--enable-prefill-cp", "--cp-strategy", "interleave"], 4),
+        (
+            [
+                "--tp",
+                "8",
+                "--enable-prefill-cp",
+                "--cp-strategy",
+                "interleave",
+                "--attn-cp-size",
+                "8",
+            ],
+            8,
+        ),
+    ],
+)
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_cp_flags_through_sglangs_resolution(
+    sglang_with_plugin, argv: list[str], size: int
+) -> None:
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    from dsv4cp.integrations.sglang.cp import SGLangCP
+    from dsv4cp.integrations.sglang.model import DeepseekV41ForCausalLM
+
+    view, mc = _resolve(
+        sglang_with_plugin,
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp", *argv],
+    )
+    # dsv4cp's model, under dsv4cp's config; SGLang's V4 rules did not fire
+    assert mc.hf_config.architectures == [ARCHITECTURE] and mc.hf_config.model_type == MODEL_TYPE
+    assert mc.hf_config.dsv4cp_source_model_type == "deepseek_v41"
+    assert mc.hf_config.dsv4cp_quantization_config["quant_method"] == "fp8"
+    assert mc.quantization is None and not mc.is_multimodal
+    assert get_model_architecture(mc)[0] is DeepseekV41ForCausalLM
+    assert view.attention_backend == "torch_native" and view.kv_cache_dtype == "auto"
+    assert view.page_size == 1  # SGLang's default, not V4's forced 256
+    assert view.cuda_graph_config.decode.backend == "disabled"
+    assert view.cuda_graph_config.prefill.backend == "disabled"
+    # the CP mapping: SGLang's attention-CP group is the TP group; SGLang does not shard
+    assert view.enable_prefill_cp is (size > 1) and view.attn_cp_size == size
+    assert view.enable_cp_tp_group_sharing is (size > 1)
+    assert SGLangCP(cp_settings_from_server_args(view)).settings.size == size
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_without_model_impl_sglangs_own_v41_is_untouched(sglang_with_plugin) -> None:
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    view, mc = _resolve(
+        sglang_with_plugin,
+        [
+            "--model-path",
+            str(UPSTREAM),
+            "--device",
+            "cpu",
+            "--tp",
+            "4",
+            "--enable-prefill-cp",
+            "--cp-strategy",
+            "interleave",
+        ],
+    )
+    assert mc.hf_config.architectures == ["DeepseekV4ForCausalLM"]
+    assert mc.hf_config.model_type == "deepseek_v41" and mc.quantization == "fp8"
+    cls, _ = get_model_architecture(mc)
+    assert cls.__module__ == "sglang.srt.models.deepseek_v4"
+    assert (view.attention_backend, view.page_size, view.kv_cache_dtype) == (
+        "dsv4",
+        256,
+        "fp8_e4m3",
+    )
+    assert view.attn_cp_size == 4 and view.enable_cp_tp_group_sharing is False
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_page_size_is_the_users(sglang_with_plugin) -> None:
+    view, _ = _resolve(
+        sglang_with_plugin,
+        [
+            "--model-path",
+            str(UPSTREAM),
+            "--device",
+            "cpu",
+            "--model-impl",
+            "dsv4cp",
+            "--page-size",
+            "64",
+        ],
+    )
+    assert view.page_size == 64
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--tp", "2", "--enable-prefill-cp", "--cp-strategy", "zigzag"], "zigzag"),
+        (["--attention-backend", "dsv4"], "--attention-backend dsv4"),
+    ],
+)
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_refusals_through_sglangs_resolution(
+    sglang_with_plugin, argv: list[str], match: str
+) -> None:
+    """The Engine path (no CLI): the model-override provider refuses during resolution."""
+    hooked = sglang_with_plugin.prepare_server_args
+    prepare_server_args = getattr(hooked, "__wrapped__", hooked)  # SGLang's, not the CLI hook
+    args = prepare_server_args(
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp", *argv]
+    )
+    with pytest.raises(Dsv4cpServerArgsError, match=match):
+        args.resolve_once()
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_cli_hook_exits_with_one_line(sglang_with_plugin, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        sglang_with_plugin.prepare_server_args(
+            [
+                "--model-path",
+                str(UPSTREAM),
+                "--device",
+                "cpu",
+                "--model-impl",
+                "dsv4cp",
+                "--tp",
+                "2",
+                "--enable-prefill-cp",
+                "--cp-strategy",
+                "zigzag",
+            ]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert err[-1] == (
+        "sglang serve: error: dsv4cp: --cp-strategy zigzag is not supported "
+        "yet; use --cp-strategy interleave"
+    )
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_cli_refuses_a_config_without_text_config(
+    sglang_with_plugin, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Reliability probe 2b-12: an AttributeError from inside SGLang, now one line."""
+    import json
+
+    for model_type, impl in ((MODEL_TYPE, ()), ("deepseek_v41", ("--model-impl", "dsv4cp"))):
+        cfg = json.loads((UPSTREAM / "config.json").read_text())
+        del cfg["text_config"]
+        cfg["model_type"] = model_type
+        path = tmp_path / model_type
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(SystemExit) as e:
+            sglang_with_plugin.prepare_server_args(
+                ["--model-path", str(path), "--device", "cpu", *impl]
+            )
+        assert e.value.code == 2
+        assert "config.json has no text_config" in capsys.readouterr().err.splitlines()[-1]
