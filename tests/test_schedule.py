@@ -93,8 +93,8 @@ def test_freeing_a_side_stream_input_before_the_join_is_rejected() -> None:
     s = _layer2()
     steps = list(s.steps)
     join = _find(s, lambda st: isinstance(st, Join))
-    steps.insert(join, Release(("kv_raw_g",)))
-    with pytest.raises(ScheduleError, match="'kv_raw_g' is released while lane 'swa'"):
+    steps.insert(join, Release(("swa_rows_g",)))
+    with pytest.raises(ScheduleError, match="'swa_rows_g' is released while lane 'swa'"):
         validate(_edit(s, steps))
 
 
@@ -118,10 +118,10 @@ def test_side_lane_reading_default_work_issued_after_its_fork_is_rejected() -> N
 
 def test_compute_only_lane_reading_gathered_rows_is_rejected() -> None:
     s = _layer2()
-    bad = Node("peek", lambda st: None, ("kv_raw_g",), ("peek",), lane="q")
+    bad = Node("peek", lambda st: None, ("swa_rows_g",), ("peek",), lane="q")
     steps = list(s.steps)
     steps.insert(_find(s, lambda st: isinstance(st, Fork) and not st.compute_only), bad)
-    with pytest.raises(ScheduleError, match="'kv_raw_g' written on lane 'default' without"):
+    with pytest.raises(ScheduleError, match="'swa_rows_g' written on lane 'default' without"):
         validate(_edit(s, steps))
 
 

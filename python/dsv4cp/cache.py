@@ -1,31 +1,75 @@
-"""Slot-indexed paged caches for DeepSeek-V4.1 attention, and the page allocator.
+"""The attention caches of DeepSeek-V4.1, stored as the numerics define them, and the allocator.
 
-Every cache row is addressed by a *token slot* (SGLang's `out_cache_loc` convention), so the
-same storage serves dsv4cp's own allocator and SGLang's radix cache:
+Every cache row is found from a *token slot* (SGLang's `out_cache_loc` convention), so the same
+storage serves dsv4cp's own allocator and SGLang's radix cache (docs/caches.md):
 
-- one KV pool `[regions · num_slots, D]`: a region per layer for its SWA keys and a region per
-  kv-source layer for its compressed keys. A compressed entry j of ratio r lives at the slot of its
-  block's last token ((j+1)·r − 1). Attention indexes the pool directly, so sparse attention needs
-  no workspace copy;
-- index keys per kv source `[num_slots, D_I]`, same addressing as the compressed keys;
-- the ratio-2 pair state (fp32 kv and gate of every even token, at its slot) per ratio-2 kv source;
+- SWA keys, one pool per layer, rows found through `swa_page_table` (token page → SWA page, −1:
+  not held). With `window_slots=None` the table is the identity and every token slot keeps its
+  key; with `window_slots=N` the pool holds N rows and `PagedAllocator` frees a request's pages
+  once they are older than its window (the reference keeps a ring of `window_size` rows per
+  request: model.py `Attention.window_kv_cache`);
+- compressed keys and index keys, one pool each per kv source: entry j of ratio r at the slot of
+  its block's last token ((j+1)·r − 1), stored at row slot // r when page_size is a multiple of r
+  (slot ≡ position mod page_size, so each slot // r holds one entry; reference:
+  `compress_kv_cache`, `Indexer.k_cache` of `max_seq_len // ratio` rows);
+- the ratio-2 pair state (fp32 kv and gate of an even token whose partner has not come yet): one
+  pending row per request with a window, else one row per token slot (reference:
+  `Compressor.kv_state` / `score_state`, `ratio` rows per request);
 - `req_to_token [max_requests, max_context]`: position → slot per request row.
 
-Slot 0 is reserved as the dummy slot: padding rows write there and nothing valid reads it.
+Storage formats follow the quant mode (`ops.kv_format`): `none` keeps dense rows in the cache
+dtype; `qat` keeps SWA keys fp8 + ue8m0 scales, compressed keys fp4 + e4m3 scales and index keys
+fp4 + ue8m0 scales, 528 / 288 / 68 bytes per row at Flash dims. `store_values=True` keeps the
+same numerics as dense dequantized values (tests compare the two). Slot 0 is the dummy slot:
+padding rows write there and nothing valid reads it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
+from dsv4cp.ops.kv_format import KVFormat, decode_rows, encode_rows, row_bytes, row_width
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
+
+if TYPE_CHECKING:
+    from dsv4cp.batch import TokenMeta
+
+CacheKind = Literal["swa", "compressed", "index"]
+CACHE_KINDS: tuple[CacheKind, ...] = ("swa", "compressed", "index")
 
 
 class CacheFullError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class CacheFormats:
+    """The numerics format of each cache kind (what `encode` quantizes to)."""
+
+    swa: KVFormat
+    compressed: KVFormat
+    index: KVFormat
+
+    @classmethod
+    def for_quant(cls, quant: str) -> CacheFormats:
+        if check_quant_mode(quant) == "none":
+            return cls("dense", "dense", "dense")
+        return cls("fp8_ue8m0_32", "fp4_e4m3_16", "fp4_ue8m0_32")
+
+    def of(self, kind: CacheKind) -> KVFormat:
+        fmt: KVFormat = getattr(self, kind)
+        return fmt
+
+
+def entry_div(ratio: int, page_size: int) -> int:
+    """Slots per compressed row: r when pages hold whole blocks (compact), else 1."""
+    return ratio if page_size % ratio == 0 else 1
 
 
 class KVCache:
@@ -34,6 +78,9 @@ class KVCache:
         config: DeepseekV41Config,
         num_slots: int,
         *,
+        quant: QuantMode = "none",
+        store_values: bool = False,
+        window_slots: int | None = None,
         max_requests: int = 64,
         max_context: int = 4096,
         page_size: int = 16,
@@ -45,77 +92,255 @@ class KVCache:
             raise ValueError("KVCache: num_slots must be >= 2 (slot 0 is the dummy slot)")
         if page_size < 1:
             raise ValueError("KVCache: page_size must be >= 1")
+        if window_slots is not None and window_slots < 1:
+            raise ValueError(f"KVCache: window_slots must be >= 1 or None, got {window_slots}")
         self.config = config
         self.num_slots = num_slots
         self.page_size = page_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.quant = check_quant_mode(quant)
+        self.numerics = CacheFormats.for_quant(quant)
+        # what readers see: the stored format, dense when values are stored
+        self.formats = CacheFormats("dense", "dense", "dense") if store_values else self.numerics
+        self.windowed = window_slots is not None
+        self.num_pages = -(-num_slots // page_size)
         roles = config.layer_roles()
-        regions = 0
-        self.swa_region: dict[int, int] = {}
-        self.comp_region: dict[int, int] = {}
-        for role in roles:
-            self.swa_region[role.layer] = regions
-            regions += 1
-        for role in roles:
-            if role.owns_compressor:
-                self.comp_region[role.layer] = regions
-                regions += 1
-        if regions * num_slots >= 2**31:
-            raise ValueError("KVCache: the KV pool would exceed int32 indexing; use fewer slots")
-        d, di = config.head_dim, config.index_head_dim
-        self.kv_pool = torch.zeros(regions * num_slots, d, dtype=dtype, device=self.device)
-        self.index_k = {
-            r.layer: torch.zeros(num_slots, di, dtype=dtype, device=self.device)
-            for r in roles
-            if r.owns_compressor
+        self.kv_sources = {r.layer: r.ratio for r in roles if r.owns_compressor}
+        self.entry_div = {r: entry_div(r, page_size) for r in set(self.kv_sources.values())}
+        dims = self.dims()
+
+        def pool(kind: CacheKind, rows: int) -> Tensor:
+            fmt = self.formats.of(kind)
+            width = row_width(fmt, dims[kind])
+            dt = dtype if fmt == "dense" else torch.uint8
+            return torch.zeros(rows, width, dtype=dt, device=self.device)
+
+        if window_slots is None:
+            swa_rows = num_slots
+            table = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
+        else:
+            swa_pages = -(-window_slots // page_size) + 1  # page 0: the dummy slot's
+            swa_rows = swa_pages * page_size
+            table = torch.full((self.num_pages,), -1, dtype=torch.int32, device=self.device)
+            table[0] = 0
+        self.swa_pages = -(-swa_rows // page_size)
+        self.swa_page_table = table
+        self.swa = {r.layer: pool("swa", swa_rows) for r in roles}
+        self.compressed = {
+            s: pool("compressed", self.entry_rows_needed(r)) for s, r in self.kv_sources.items()
         }
-        self.pair_kv = {
-            r.layer: torch.zeros(num_slots, d, dtype=torch.float32, device=self.device)
-            for r in roles
-            if r.owns_compressor and r.ratio == 2
+        self.index = {
+            s: pool("index", self.entry_rows_needed(r)) for s, r in self.kv_sources.items()
         }
-        self.pair_gate = {k: torch.zeros_like(v) for k, v in self.pair_kv.items()}
         if req_to_token is None:
             req_to_token = torch.zeros(
                 max_requests, max_context, dtype=torch.long, device=self.device
             )
         self.req_to_token = req_to_token
         self.max_requests, self.max_context = req_to_token.shape
+        # windowed: one pending row per request row, then the dummy row
+        self.pair_dummy_row = self.max_requests if self.windowed else 0
+        pair_rows = self.max_requests + 1 if self.windowed else num_slots
+        d = config.head_dim
+        self.pair_kv = {
+            s: torch.zeros(pair_rows, d, dtype=torch.float32, device=self.device)
+            for s, r in self.kv_sources.items()
+            if r == 2
+        }
+        self.pair_gate = {k: torch.zeros_like(v) for k, v in self.pair_kv.items()}
 
-    # ------------------------------------------------------------------ views
-    def region_base(self, region: int) -> int:
-        return region * self.num_slots
+    # ------------------------------------------------------------------ geometry
+    def dims(self) -> dict[CacheKind, int]:
+        c = self.config
+        return {"swa": c.head_dim, "compressed": c.head_dim, "index": c.index_head_dim}
 
-    def swa_base(self, layer: int) -> int:
-        return self.region_base(self.swa_region[layer])
+    def entry_rows_needed(self, ratio: int) -> int:
+        return -(-self.num_slots // self.entry_div[ratio])
 
-    def comp_base(self, kv_source: int) -> int:
-        return self.region_base(self.comp_region[kv_source])
+    def row_bytes(self, kind: CacheKind) -> int:
+        return row_bytes(self.formats.of(kind), self.dims()[kind], self.dtype)
 
-    def swa_cache(self, layer: int) -> Tensor:
-        b = self.swa_base(layer)
-        return self.kv_pool[b : b + self.num_slots]
+    # ------------------------------------------------------------------ rows (on device)
+    def swa_rows(self, slots: Tensor) -> Tensor:
+        """SWA pool rows of token slots (−1 for slot −1 or a page not held)."""
+        p = self.page_size
+        safe = slots.clamp(min=0)
+        page = self.swa_page_table[torch.div(safe, p, rounding_mode="floor")].long()
+        rows = page * p + safe % p
+        return torch.where((slots >= 0) & (page >= 0), rows, -1)
 
-    def comp_cache(self, kv_source: int) -> Tensor:
-        b = self.comp_base(kv_source)
-        return self.kv_pool[b : b + self.num_slots]
+    def entry_rows(self, ratio: int, slots: Tensor) -> Tensor:
+        """Compressed / index rows of entry slots (−1 stays −1)."""
+        div = self.entry_div[ratio]
+        if div == 1:
+            return slots
+        return torch.where(slots >= 0, torch.div(slots, div, rounding_mode="floor"), -1)
 
+    def pair_read_rows(self, tok: TokenMeta) -> Tensor:
+        """Where the first new token of a forward starting at an odd position finds its even
+        partner; other rows read the dummy row (their value is not used)."""
+        first = tok.pair_partner_from_state()
+        if self.windowed:
+            return torch.where(first, tok.req_row, self.pair_dummy_row)
+        return torch.where(first, tok.slot_of(tok.positions - 1), 0)
+
+    def pair_write_rows(self, tok: TokenMeta) -> Tensor:
+        """Windowed: the request's last token, when it is even (a later forward starts at its
+        odd partner), writes the request's pending row. Otherwise every even token writes its
+        slot: another request sharing a prefix of odd length may start at its partner."""
+        even = (tok.positions % 2 == 0) & tok.valid
+        if self.windowed:
+            last = even & (tok.positions == tok.end - 1)
+            return torch.where(last, tok.req_row, self.pair_dummy_row)
+        return torch.where(even, tok.slots, 0)
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, kind: CacheKind, x: Tensor) -> Tensor:
+        """Key rows [n, dim] as this cache stores them (quantized, or their dequantized values
+        in the cache dtype when values are stored)."""
+        fmt = self.numerics.of(kind)
+        rows = encode_rows(x, fmt, dense_dtype=self.dtype)
+        if self.formats.of(kind) == "dense" and fmt != "dense":
+            return decode_rows(rows, fmt, x.shape[-1]).to(self.dtype)
+        return rows
+
+    def decode(self, kind: CacheKind, rows: Tensor) -> Tensor:
+        return decode_rows(rows, self.formats.of(kind), self.dims()[kind])
+
+    # ------------------------------------------------------------------ inspection
     def state_dict_view(self) -> dict[str, Tensor]:
-        """Every cache tensor by name (for tests comparing caches)."""
-        out = {f"swa.{i}": self.swa_cache(i) for i in self.swa_region}
-        out.update({f"comp.{i}": self.comp_cache(i) for i in self.comp_region})
-        out.update({f"index_k.{i}": t for i, t in self.index_k.items()})
+        """Every cache tensor by name, as stored (snapshots; `slot_view` reads by slot)."""
+        out = {f"swa.{i}": t for i, t in self.swa.items()}
+        out.update({f"comp.{i}": t for i, t in self.compressed.items()})
+        out.update({f"index_k.{i}": t for i, t in self.index.items()})
         out.update({f"pair_kv.{i}": t for i, t in self.pair_kv.items()})
         out.update({f"pair_gate.{i}": t for i, t in self.pair_gate.items()})
+        out["swa_page_table"] = self.swa_page_table
         return out
 
+    def slot_view(self, slots: Tensor) -> dict[str, Tensor]:
+        """fp32 key values at these token slots per cache (what comparisons by position read):
+        SWA keys (0 where not held), compressed and index rows, and the pair state when it is
+        slot-indexed. Rows of slots that are not entry slots alias a neighbour's entry."""
+        zero = torch.zeros((), device=slots.device)
+        out: dict[str, Tensor] = {}
+        rows = self.swa_rows(slots)
+        for i, t in self.swa.items():
+            v = self.decode("swa", t[rows.clamp(min=0)])
+            out[f"swa.{i}"] = torch.where((rows >= 0)[:, None], v, zero)
+        for s, r in self.kv_sources.items():
+            e = self.entry_rows(r, slots)
+            out[f"comp.{s}"] = self.decode("compressed", self.compressed[s][e])
+            out[f"index_k.{s}"] = self.decode("index", self.index[s][e])
+        if not self.windowed:
+            for s, t in self.pair_kv.items():
+                out[f"pair_kv.{s}"] = t[slots]
+                out[f"pair_gate.{s}"] = self.pair_gate[s][slots]
+        return out
 
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes allocated per kind (works on the meta device)."""
+
+        def size(ts: Iterable[Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        return {
+            "swa_window": size(self.swa.values()),
+            "compressed": size(self.compressed.values()),
+            "index_keys": size(self.index.values()),
+            "pair_state": size([*self.pair_kv.values(), *self.pair_gate.values()]),
+            "slot_tables": size([self.req_to_token, self.swa_page_table]),
+        }
+
+
+# ---------------------------------------------------------------------- capacity planning
+@dataclass(frozen=True)
+class CacheBytes:
+    tokens: int
+    by_kind: dict[str, int]
+    rows: dict[str, int]  # rows held per kind (per layer or kv source, summed)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    @property
+    def per_token(self) -> float:
+        return self.total / max(self.tokens, 1)
+
+
+def swa_window_rows(tokens: int, window: int, page_size: int) -> int:
+    """SWA rows one request of `tokens` keeps per layer once its prefill is committed: the pages
+    holding positions ≥ tokens − window + 1 (what its next token reads)."""
+    if tokens <= 0:
+        return 0
+    need_from = max(0, tokens - window + 1)
+    pages = -(-tokens // page_size) - need_from // page_size
+    return pages * page_size
+
+
+def cache_bytes(
+    config: DeepseekV41Config,
+    tokens: int,
+    *,
+    quant: QuantMode = "qat",
+    page_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    windowed: bool = True,
+) -> CacheBytes:
+    """What the caches of one request of `tokens` tokens take (bytes per kind).
+
+    Per layer: the SWA rows of its window (`swa_window_rows`; every slot when not windowed);
+    per kv source of ratio r: its compressed and index rows, one per r slots of the request's
+    pages (compact addressing; one per slot when page_size is not a multiple of r); per ratio-2
+    kv source: the pair state, one pending row of fp32 kv and gate (one per slot when not
+    windowed); the request's `req_to_token` row (int64 per position) and its SWA page table
+    entries (int32 per page). Equals what `KVCache` allocates for exactly this request, less
+    the dummy page and dummy pair row (tests/test_cache.py checks it on the meta device).
+    """
+    if tokens < 0:
+        raise ValueError(f"cache_bytes: tokens must be >= 0, got {tokens}")
+    if page_size < 1:
+        raise ValueError(f"cache_bytes: page_size must be >= 1, got {page_size}")
+    fmt = CacheFormats.for_quant(quant)
+    c = config
+    pages = -(-tokens // page_size)
+    slots = pages * page_size
+    roles = c.layer_roles()
+    swa_rows = swa_window_rows(tokens, c.sliding_window, page_size) if windowed else slots
+    swa_rows *= len(roles)
+    comp_rows = 0
+    pair_rows = 0
+    for r in roles:
+        if r.owns_compressor:
+            comp_rows += slots // entry_div(r.ratio, page_size)
+            if r.ratio == 2:
+                pair_rows += (1 if windowed and tokens else slots) * 2  # kv and gate
+    by_kind = {
+        "swa_window": swa_rows * row_bytes(fmt.swa, c.head_dim, dtype),
+        "compressed": comp_rows * row_bytes(fmt.compressed, c.head_dim, dtype),
+        "index_keys": comp_rows * row_bytes(fmt.index, c.index_head_dim, dtype),
+        "pair_state": pair_rows * c.head_dim * 4,
+        "slot_tables": tokens * 8 + pages * 4,
+    }
+    rows = {
+        "swa_window": swa_rows,
+        "compressed": comp_rows,
+        "index_keys": comp_rows,
+        "pair_state": pair_rows,
+    }
+    return CacheBytes(tokens, by_kind, rows)
+
+
+# ---------------------------------------------------------------------- allocator
 @dataclass
 class RequestState:
     row: int
     length: int = 0
     pages: list[int] = field(default_factory=list)
+    swa_pages: list[int] = field(default_factory=list)  # windowed: the SWA page of each page
+    swa_from: int = 0  # windowed: index in `pages` of the first page still holding SWA keys
 
 
 @dataclass
@@ -126,15 +351,18 @@ class Reservation:
     slots: list[int]
     new_pages: list[int]
     new_request: bool
+    new_swa_pages: list[int] = field(default_factory=list)
+    pair_backup: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 class PagedAllocator:
     """Hands out pages of `page_size` slots and keeps `req_to_token` rows up to date.
 
     `reserve` validates and returns a Reservation without touching the cache; `write_table` fills
-    the new positions of the request's `req_to_token` row before the forward; `commit` records the
-    new length; `rollback` returns the pages and clears those positions again. Nothing a failed
-    batch did is visible afterwards.
+    the new positions of the request's `req_to_token` row (and, windowed, the SWA page table)
+    before the forward; `commit` records the new length and, windowed, frees the SWA pages now
+    older than the request's window; `rollback` returns the pages, clears those positions and
+    restores the request's pending pair row. Nothing a failed batch did is visible afterwards.
     """
 
     def __init__(self, cache: KVCache) -> None:
@@ -144,6 +372,7 @@ class PagedAllocator:
         if n_pages < 2:
             raise ValueError("PagedAllocator: num_slots must hold at least 2 pages")
         self.free_pages = list(range(n_pages - 1, 0, -1))  # page 0 holds the dummy slot
+        self.free_swa_pages = list(range(cache.swa_pages - 1, 0, -1)) if cache.windowed else []
         self.requests: dict[object, RequestState] = {}
         self.free_rows = list(range(cache.max_requests - 1, -1, -1))
 
@@ -168,17 +397,45 @@ class PagedAllocator:
                 f"request {rid!r}: needs {need} more pages of {self.page_size} slots, "
                 f"{len(self.free_pages)} free"
             )
+        if self.cache.windowed and need > len(self.free_swa_pages):
+            raise CacheFullError(
+                f"request {rid!r}: needs {need} more SWA window pages of {self.page_size} rows, "
+                f"{len(self.free_swa_pages)} free (KVCache window_slots)"
+            )
         new_pages = [self.free_pages.pop() for _ in range(need)]
+        new_swa = [self.free_swa_pages.pop() for _ in range(need)] if self.cache.windowed else []
         pages = (st.pages if st else []) + new_pages
         slots = [
             pages[p // self.page_size] * self.page_size + p % self.page_size
             for p in range(cached, end)
         ]
         row = st.row if st else self.free_rows.pop()
-        return Reservation(rid, row, cached, slots, new_pages, st is None)
+        backup = {}
+        if st is not None and self.cache.windowed:
+            backup = {
+                s: (t[row].clone(), self.cache.pair_gate[s][row].clone())
+                for s, t in self.cache.pair_kv.items()
+            }
+        return Reservation(rid, row, cached, slots, new_pages, st is None, new_swa, backup)
+
+    def _set_swa_pages(self, pages: list[int], swa_pages: list[int] | int) -> None:
+        if not pages:
+            return
+        table = self.cache.swa_page_table
+        idx = torch.tensor(pages, dtype=torch.long, device=table.device)
+        if isinstance(swa_pages, int):
+            table[idx] = swa_pages
+        else:
+            table[idx] = torch.tensor(swa_pages, dtype=table.dtype, device=table.device)
 
     def rollback(self, res: Reservation) -> None:
         self.free_pages.extend(reversed(res.new_pages))
+        if self.cache.windowed:
+            self._set_swa_pages(res.new_pages, -1)
+            self.free_swa_pages.extend(reversed(res.new_swa_pages))
+        for s, (kv, gate) in res.pair_backup.items():
+            self.cache.pair_kv[s][res.row] = kv
+            self.cache.pair_gate[s][res.row] = gate
         if res.new_request:
             self.free_rows.append(res.row)
         if res.slots:
@@ -189,7 +446,22 @@ class PagedAllocator:
             self.requests[res.rid] = RequestState(res.row)
         st = self.requests[res.rid]
         st.pages.extend(res.new_pages)
+        st.swa_pages.extend(res.new_swa_pages)
         st.length = res.start + len(res.slots)
+        if self.cache.windowed:
+            self._release_window(st)
+
+    def _release_window(self, st: RequestState, *, keep_from: int | None = None) -> None:
+        """Free the SWA pages of pages whose every position precedes `keep_from` (default: the
+        first position the request's next token reads, length − window + 1)."""
+        if keep_from is None:
+            keep_from = st.length - self.cache.config.sliding_window + 1
+        stop = min(max(keep_from, 0) // self.page_size, len(st.pages))
+        if stop <= st.swa_from:
+            return
+        self.free_swa_pages.extend(reversed(st.swa_pages[st.swa_from : stop]))
+        self._set_swa_pages(st.pages[st.swa_from : stop], -1)
+        st.swa_from = stop
 
     def write_table(self, res: Reservation) -> None:
         """Write the new positions' slots before the forward (reads of them come from it)."""
@@ -197,11 +469,20 @@ class PagedAllocator:
             self.cache.req_to_token[res.row, res.start : res.start + len(res.slots)] = torch.tensor(
                 res.slots, dtype=torch.long, device=self.cache.req_to_token.device
             )
+        if self.cache.windowed:
+            self._set_swa_pages(res.new_pages, res.new_swa_pages)
 
     def free(self, rid: object) -> None:
         st = self.requests.pop(rid, None)
         if st is None:
             raise KeyError(f"unknown request {rid!r}")
+        if self.cache.windowed:
+            self._release_window(st, keep_from=st.length + self.page_size)
         self.free_pages.extend(reversed(st.pages))
         self.free_rows.append(st.row)
         self.cache.req_to_token[st.row].zero_()
+
+    def swa_pages_held(self, rid: object) -> int:
+        """SWA pages the request holds now (windowed), or all its pages."""
+        st = self.requests[rid]
+        return len(st.pages) - st.swa_from

@@ -5,9 +5,9 @@ this rank's local rows (`local`, and `local_ids`: the global token of each local
 padding), the CP group and the CP layout. "Reads are local, writes are global": queries use
 `local`, cache writes use the gathered global rows.
 
-`cross` is the one thing layers write for later layers, per compress ratio: the index-K
-workspace a kv source builds, the top-k of the latest index source, and the candidate blocks of
-the candidate source.
+`cross` is the one thing layers write for later layers, per compress ratio: the top-k of the
+latest index source and the candidate blocks of the candidate source. (Index keys are read from
+the kv source's index cache, not passed along.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dsv4cp.cp.layout import CPLayout
 class CrossLayer:
     """Per compress ratio: what one layer of a forward leaves for the later ones."""
 
-    index_k_ws: dict[int, Tensor] = field(default_factory=dict)  # written by the kv source
     topk: dict[int, Tensor] = field(default_factory=dict)  # written by each index source
     candidates: dict[int, Tensor] = field(default_factory=dict)  # by the candidate source
 

@@ -29,6 +29,7 @@ from dsv4cp.ops import (
     indexer_queries,
     indexer_weights,
     linear_fp32,
+    mqa_logits_cached,
     rms_norm,
     rope_tail_,
     topk_among_blocks,
@@ -40,6 +41,7 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits": (ops.mqa_logits, "dsv4cp.kernels.indexer_logits"),
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.attention"),
+    "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.attention"),
     "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
     "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
     "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
@@ -82,6 +84,7 @@ def _route(name: str) -> Callable[..., Any]:
 mqa_logits = _route("mqa_logits")
 topk_indices = _route("topk_indices")
 sparse_attention = _route("sparse_attention")
+sparse_attention_cached = _route("sparse_attention_cached")
 swa_key = _route("swa_key")
 store_swa_k = _route("store_swa_k")
 pair_pool = _route("pair_pool")
@@ -104,10 +107,12 @@ __all__ = [
     "kernel_of",
     "linear_fp32",
     "mqa_logits",
+    "mqa_logits_cached",
     "pair_pool",
     "rms_norm",
     "rope_tail_",
     "sparse_attention",
+    "sparse_attention_cached",
     "store_swa_k",
     "swa_key",
     "topk_among_blocks",

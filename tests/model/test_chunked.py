@@ -33,7 +33,7 @@ def _cache_rows(runner: PrefillRunner, rid: str) -> dict[str, torch.Tensor]:
     """Every cache row of the request (pair state included: every even token keeps one)."""
     st = runner.alloc.requests[rid]
     slots = runner.cache.req_to_token[st.row, : st.length]
-    return {k: v[slots] for k, v in runner.cache.state_dict_view().items()}
+    return runner.cache.slot_view(slots)
 
 
 def _assert_caches_equal(a: PrefillRunner, ra: str, b: PrefillRunner, rb: str) -> None:

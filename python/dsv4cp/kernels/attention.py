@@ -1,10 +1,17 @@
-"""Sparse MQA attention with a per-head sink logit (attention-math §4.6, §5.4).
+"""Sparse MQA attention with a per-head sink logit (attention-math §4.6, §5.4), reading the
+layer's caches in their storage formats.
 
 One program per (query, block of up to 64 heads): every head of a query reads the same key set,
 so each gathered kv row (K = V) is loaded once and serves BLOCK_H heads, first as K in
 s = q·kᵀ, then as V in o += p·v. fp32 online softmax in base 2; the running max starts at the
 sink logit and the running sum at e^0 = 1, so the sink takes its share of probability mass with
 no value vector. -1 indices are masked; a row with no valid key gives 0.
+
+Two key sources are read one after the other (the SWA rows, then the compressed rows), each in
+its format (`ops.kv_format`): dense rows are loaded as stored; fp8 / fp4 rows are decoded on load
+from their code and scale bytes to exact fp32 values, which are also exact in bf16, so a bf16
+query multiplies the same tensor-core inputs as with a dense cache of the dequantized values.
+No workspace is built: the caches are read in place.
 """
 
 from __future__ import annotations
@@ -15,34 +22,135 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.ops.kv_format import check_format, row_width
 
 MAX_D = 512
 # (BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py --sweep.
 DEFAULT_CONFIG = (64, 8, 2)
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host uses .value
+# format codes the kernel branches on (constexpr)
+FORMAT_CODES = {"dense": 0, "fp8_ue8m0_32": 1, "fp4_e4m3_16": 2, "fp4_ue8m0_32": 3}
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for int32 e in [-126, 127], built from the exponent bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _minifloat(b, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr):
+    """Sign / EXP exponent bits / MAN mantissa bits (int32) → exact fp32 value: normal
+    (2^MAN + m)·2^(e − BIAS − MAN), subnormal m·2^(1 − BIAS − MAN). e4m3: (4, 3, 7) (its NaN
+    code never occurs: the quantizers saturate); e2m1: (2, 1, 1)."""
+    e = (b >> MAN) & ((1 << EXP) - 1)
+    m = b & ((1 << MAN) - 1)
+    mag = tl.where(e == 0, m, m + (1 << MAN)).to(tl.float32)
+    mag = mag * _pow2(tl.maximum(e, 1) - BIAS - MAN)
+    return tl.where(((b >> (EXP + MAN)) & 1) == 1, -mag, mag)
+
+
+@triton.jit
+def _ue8m0_value(b):
+    """ue8m0 byte → 2^(b−127) (b = 0: the subnormal 2^−127)."""
+    return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_keys(row_ptr, d, mask, D: tl.constexpr, FMT: tl.constexpr):
+    """Key values [BLOCK_N, D_PAD] of the rows at row_ptr [BLOCK_N, 1]: dense as stored, a
+    quantized format decoded to fp32 (masked lanes are 0)."""
+    if FMT == 0:
+        vals = tl.load(row_ptr + d[None, :], mask=mask, other=0.0)
+    elif FMT == 1:  # fp8 e4m3 codes [D], then one ue8m0 byte per 32
+        b = tl.load(row_ptr + d[None, :], mask=mask, other=0).to(tl.int32)
+        s = tl.load(row_ptr + D + d[None, :] // 32, mask=mask, other=127).to(tl.int32)
+        vals = _minifloat(b, 4, 3, 7) * _ue8m0_value(s)
+    else:  # packed e2m1 [D/2] (even element low), then e4m3 per 16 or ue8m0 per 32
+        byte = tl.load(row_ptr + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((d[None, :] & 1) * 4)) & 0xF
+        if FMT == 2:
+            s = tl.load(row_ptr + D // 2 + d[None, :] // 16, mask=mask, other=0).to(tl.int32)
+            vals = _minifloat(code, 2, 1, 1) * _minifloat(s, 4, 3, 7)
+        else:
+            s = tl.load(row_ptr + D // 2 + d[None, :] // 32, mask=mask, other=127).to(tl.int32)
+            vals = _minifloat(code, 2, 1, 1) * _ue8m0_value(s)
+    return vals
+
+
+@triton.jit
+def _attend_source(
+    q,
+    m,
+    l_sum,
+    acc,
+    kv_ptr,
+    idx_row,
+    N,
+    NUM_IDX,
+    stride_kvn,
+    qk_scale,
+    d,
+    d_ok,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """The online-softmax update over one source's indices; returns (m, l_sum, acc)."""
+    for start in range(0, NUM_IDX, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + offs, mask=offs < NUM_IDX, other=-1)
+        valid = (idx >= 0) & (idx < N)
+        rows = kv_ptr + idx[:, None].to(tl.int64) * stride_kvn
+        kv = _load_keys(rows, d, valid[:, None] & d_ok[None, :], D, FMT)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        else:
+            kv = kv.to(q.dtype)  # decoded values are exact in bf16 / fp16
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
+        m = m_new
+    return m, l_sum, acc
 
 
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr,
-    kv_ptr,
-    idx_ptr,
+    swa_ptr,
+    swa_idx_ptr,
+    comp_ptr,
+    comp_idx_ptr,
     sink_ptr,
     out_ptr,
     H,
-    N,
-    NUM_IDX,
+    N_SWA,
+    N_COMP,
+    NUM_SWA_IDX,
+    NUM_COMP_IDX,
     qk_scale,
     stride_qt,
     stride_qh,
-    stride_kvn,
-    stride_it,
+    stride_swa,
+    stride_swa_it,
+    stride_comp,
+    stride_comp_it,
     stride_ot,
     stride_oh,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SWA_FMT: tl.constexpr,
+    COMP_FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -63,28 +171,14 @@ def _sparse_attention_kernel(
     m = sink
     l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-    idx_row = idx_ptr + t * stride_it
-    for start in range(0, NUM_IDX, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_row + offs, mask=offs < NUM_IDX, other=-1)
-        valid = (idx >= 0) & (idx < N)
-        kv = tl.load(
-            kv_ptr + idx[:, None].to(tl.int64) * stride_kvn + d[None, :],
-            mask=valid[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
-        m = m_new
+    m, l_sum, acc = _attend_source(
+        q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
+        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC,
+    )  # fmt: skip
+    m, l_sum, acc = _attend_source(
+        q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
+        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC,
+    )  # fmt: skip
     o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -93,29 +187,93 @@ def _sparse_attention_kernel(
     )
 
 
+def _check_source(
+    cache: Tensor, indices: Tensor, fmt: str, q: Tensor, what: str, limit: str
+) -> None:
+    t, _, d = q.shape
+    fmt = check_format(fmt)
+    width = row_width(fmt, d)
+    if cache.dim() != 2 or cache.shape[1] != width:
+        raise ValueError(f"{limit}: {what} must be [N, {width}] ({fmt}), got {tuple(cache.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(f"{limit}: {what} indices must be [{t}, K], got {tuple(indices.shape)}")
+    want = q.dtype if fmt == "dense" else torch.uint8
+    if cache.dtype != want:
+        raise ValueError(f"{limit}: {what} ({fmt}) must be {want}, got {cache.dtype}")
+
+
+def _check_query(q: Tensor, sink: Tensor, name: str) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [T, H, D], got {tuple(q.shape)}")
+    h, d = q.shape[1], q.shape[2]
+    if d > MAX_D or d < 16:
+        raise ValueError(f"{name} kernel: D must be in [16, {MAX_D}], got {d}")
+    if sink.shape != (h,):
+        raise ValueError(f"{name}: sink must be [{h}], got {tuple(sink.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name} kernel: q must be bf16/fp16/fp32, got {q.dtype}")
+
+
 def check_sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> None:
     """Raise ValueError naming the limit when the kernel cannot take these shapes."""
-    if q.dim() != 3:
-        raise ValueError(f"sparse_attention: q must be [T, H, D], got {tuple(q.shape)}")
-    t, h, d = q.shape
-    if d > MAX_D or d < 16:
-        raise ValueError(f"sparse_attention kernel: D must be in [16, {MAX_D}], got {d}")
+    _check_query(q, sink, "sparse_attention")
+    t, _, d = q.shape
     if kv.dim() != 2 or kv.shape[1] != d:
         raise ValueError(f"sparse_attention: kv must be [N, {d}], got {tuple(kv.shape)}")
     if indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"sparse_attention: indices must be [{t}, K], got {tuple(indices.shape)}")
-    if sink.shape != (h,):
-        raise ValueError(f"sparse_attention: sink must be [{h}], got {tuple(sink.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv.dtype != q.dtype:
+    if kv.dtype != q.dtype:
         raise ValueError(
             f"sparse_attention kernel: q and kv must share bf16/fp16/fp32, got {q.dtype}, "
             f"{kv.dtype}"
         )
 
 
+def check_sparse_attention_cached(
+    q: Tensor,
+    swa: Tensor,
+    swa_indices: Tensor,
+    comp: Tensor | None,
+    comp_indices: Tensor | None,
+    sink: Tensor,
+    swa_format: str,
+    comp_format: str,
+) -> None:
+    """Raise ValueError naming the limit when the kernel cannot take these caches."""
+    name = "sparse_attention_cached"
+    _check_query(q, sink, name)
+    if q.shape[2] % 32:
+        raise ValueError(f"{name} kernel: D must be a multiple of 32, got {q.shape[2]}")
+    _check_source(swa, swa_indices, swa_format, q, "swa", name)
+    if (comp is None) != (comp_indices is None):
+        raise ValueError(f"{name}: comp and comp_indices come together")
+    if comp is not None and comp_indices is not None:
+        _check_source(comp, comp_indices, comp_format, q, "comp", name)
+
+
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
     """Triton twin of ops.attention.sparse_attention: [T, H, D] in q.dtype."""
     return launch_sparse_attention(q, kv, indices, sink, scale)
+
+
+def sparse_attention_cached(
+    q: Tensor,
+    swa: Tensor,
+    swa_indices: Tensor,
+    comp: Tensor | None,
+    comp_indices: Tensor | None,
+    sink: Tensor,
+    scale: float,
+    swa_format: str = "dense",
+    comp_format: str = "dense",
+) -> Tensor:
+    """Triton twin of ops.attention.sparse_attention_cached: [T, H, D] in q.dtype."""
+    check_sparse_attention_cached(
+        q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
+    )
+    return _launch(
+        q, (swa, swa_indices, swa_format), (comp, comp_indices, comp_format), sink, scale
+    )
 
 
 def launch_sparse_attention(
@@ -129,41 +287,76 @@ def launch_sparse_attention(
 ) -> Tensor:
     """sparse_attention with an explicit (BLOCK_N, num_warps, num_stages) (benchmarks)."""
     check_sparse_attention(q, kv, indices, sink)
+    return _launch(q, (kv, indices, "dense"), (None, None, "dense"), sink, scale, config=config)
+
+
+Source = tuple[Tensor | None, Tensor | None, str]
+
+
+def _prepared(src: Source, q: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(rows, int32 indices [T, K], format code); an absent source is one dense dummy row and
+    K = 0."""
+    cache, idx, fmt = src
+    if cache is None or idx is None:
+        empty = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)[:, :0]
+        return q.new_zeros(1, q.shape[2]), empty, 0
+    if cache.stride(1) != 1:
+        cache = cache.contiguous()
+    if idx.dtype != torch.int32:
+        idx = idx.to(torch.int32)
+    if idx.stride(1) != 1:
+        idx = idx.contiguous()
+    return cache, idx, FORMAT_CODES[fmt]
+
+
+def _launch(
+    q: Tensor,
+    swa_src: Source,
+    comp_src: Source,
+    sink: Tensor,
+    scale: float,
+    *,
+    config: tuple[int, int, int] | None = None,
+) -> Tensor:
     t, h, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0:
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    if kv.stride(1) != 1:
-        kv = kv.contiguous()
-    if indices.dtype != torch.int32:
-        indices = indices.to(torch.int32)
-    if indices.stride(1) != 1:
-        indices = indices.contiguous()
+    swa, swa_idx, swa_fmt = _prepared(swa_src, q)
+    comp, comp_idx, comp_fmt = _prepared(comp_src, q)
     block_n, warps, stages = config or DEFAULT_CONFIG
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
         q,
-        kv,
-        indices,
+        swa,
+        swa_idx,
+        comp,
+        comp_idx,
         sink.float().contiguous(),
         out,
         h,
-        kv.shape[0],
-        indices.shape[1],
+        swa.shape[0] if swa_src[0] is not None else 0,
+        comp.shape[0] if comp_src[0] is not None else 0,
+        swa_idx.shape[1],
+        comp_idx.shape[1],
         float(scale) * _LOG2E.value,
         q.stride(0),
         q.stride(1),
-        kv.stride(0),
-        indices.stride(0),
+        swa.stride(0),
+        max(swa_idx.stride(0), 1),
+        comp.stride(0),
+        max(comp_idx.stride(0), 1),
         out.stride(0),
         out.stride(1),
         D=d,
         D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
+        SWA_FMT=swa_fmt,
+        COMP_FMT=comp_fmt,
         # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",

@@ -35,12 +35,12 @@ from dsv4cp.routing import (
     indexer_queries,
     indexer_weights,
     linear_fp32,
-    mqa_logits,
+    mqa_logits_cached,
     pair_pool,
     rms_norm,
     rope_tail_,
-    sparse_attention,
-    store_swa_k,
+    sparse_attention_cached,
+    swa_key,
     topk_among_blocks,
     topk_indices,
 )
@@ -161,10 +161,26 @@ class DeepseekV41Attention(nn.Module):
         )
         st["idx_w"] = indexer_weights(st["x"], self.idx_weights_proj, head_dim=self.index_dim)
 
+    def _swa_rows(self, st: PrepareState) -> None:
+        """This rank's SWA keys as the cache stores them (row-local: norm, RoPE, quantizer), so
+        the gather carries stored rows (528 B/token in qat) instead of the raw latent."""
+        ctx = st.ctx
+        key = swa_key(
+            st["kv_raw"],
+            ctx.local.positions,
+            self.kv_norm,
+            self.eps,
+            self.rope_dim,
+            self.theta,
+            self.yarn,
+            ctx.cache.dtype,
+        )
+        st["swa_rows"] = ctx.cache.encode("swa", key)
+
     def _gather_kv(self, st: PrepareState) -> None:
         ctx = st.ctx
-        tag = f"layer{self.layer}/kv_raw"
-        st["kv_raw_g"] = gather_global(ctx.cp, ctx.layout, st["kv_raw"], tag=tag)
+        tag = f"layer{self.layer}/swa_rows"
+        st["swa_rows_g"] = gather_global(ctx.cp, ctx.layout, st["swa_rows"], tag=tag)
 
     def _gather_comp(self, st: PrepareState) -> None:
         ctx = st.ctx
@@ -173,19 +189,8 @@ class DeepseekV41Attention(nn.Module):
 
     def _swa_store(self, st: PrepareState) -> None:
         ctx = st.ctx
-        tok = ctx.meta.tokens
-        cache = ctx.cache.swa_cache(self.layer)
-        store_swa_k(
-            st["kv_raw_g"],
-            tok.positions,
-            tok.slots,
-            cache,
-            self.kv_norm,
-            self.eps,
-            self.rope_dim,
-            self.theta,
-            self.yarn,
-        )
+        cache = ctx.cache.swa[self.layer]
+        cache.index_copy_(0, ctx.cache.swa_rows(ctx.meta.tokens.slots), st["swa_rows_g"])
         st["swa_cache"] = cache
 
     def _compressor(self, st: PrepareState) -> None:
@@ -198,22 +203,22 @@ class DeepseekV41Attention(nn.Module):
         if r == 2:
             kv, gate = g[:, :d], g[:, d:]
             from_state = tok.pair_partner_from_state()[:, None]
-            read = tok.pair_state_read_slots()
+            read = cache.pair_read_rows(tok)
             prev_kv = torch.cat([kv[:1], kv[:-1]])
             prev_gate = torch.cat([gate[:1], gate[:-1]])
             partner_kv = torch.where(from_state, cache.pair_kv[self.layer][read], prev_kv)
             partner_gate = torch.where(from_state, cache.pair_gate[self.layer][read], prev_gate)
             pooled = pair_pool(kv, gate, partner_kv, partner_gate)
-            write = tok.pair_state_write_slots()
+            write = cache.pair_write_rows(tok)
             cache.pair_kv[self.layer][write] = kv
             cache.pair_gate[self.layer][write] = gate
         else:
             pooled = g
         latent = compressed_latent(pooled, self.comp_norm, self.eps, self.dtype)
         entry_pos = tok.entry_positions(r)
-        emit = tok.emit_slots(r)
+        emit = cache.entry_rows(r, tok.emit_slots(r))
         ckey = compressed_key(latent, entry_pos, self.rope_dim, self.theta, self.yarn)
-        cache.comp_cache(self.layer)[emit] = ckey.to(cache.dtype)
+        cache.compressed[self.layer][emit] = cache.encode("compressed", ckey)
         ikey = index_key(
             latent,
             self.idx_wk,
@@ -224,20 +229,21 @@ class DeepseekV41Attention(nn.Module):
             self.theta,
             self.yarn,
         )
-        index_cache = cache.index_k[self.layer]
-        index_cache[emit] = ikey.to(index_cache.dtype)
-        ws = index_cache[ctx.meta.workspaces[r].slots]
-        ctx.cross.index_k_ws[r] = ws
-        st["comp_cache"] = cache.comp_cache(self.layer)
-        st["index_k_ws"] = ws
+        cache.index[self.layer][emit] = cache.encode("index", ikey)
+        st["comp_cache"] = cache.compressed[self.layer]
+        st["index_cache"] = cache.index[self.layer]
 
     def _logits_topk(self, st: PrepareState) -> None:
-        """Local index queries × the ratio's index-K workspace → top-k (and candidates)."""
+        """Local index queries × the ratio's index keys, read from the kv source's index cache
+        (the workspace entries' rows) → top-k (and candidates)."""
         ctx = st.ctx
         r = self.role.ratio
         local = ctx.local
         ws_meta = ctx.meta.workspaces[r]
-        keys = ctx.cross.index_k_ws[r]
+        src = self._kv_source()
+        keys = ctx.cache.index[src]
+        key_rows = ctx.cache.entry_rows(r, ws_meta.slots)
+        key_format = ctx.cache.formats.index
         n_vis = local.n_visible(r)
         k_start = ctx.workspace_start(r)
         width = max(ws_meta.max_entries, 1)
@@ -247,13 +253,15 @@ class DeepseekV41Attention(nn.Module):
         topk_parts, cand_parts = [], []
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
-            logits = mqa_logits(
+            logits = mqa_logits_cached(
                 st["idx_q"][a:b],
                 st["idx_w"][a:b],
                 keys,
+                key_rows,
                 n_vis[a:b],
                 k_start=k_start[a:b],
                 width=width,
+                k_format=key_format,
             )
             if self.role.candidate_consumer:
                 blocks = ctx.cross.candidates[r][a:b]
@@ -312,26 +320,29 @@ class DeepseekV41Attention(nn.Module):
             q_lanes.append(
                 node(self._indexer_qw, ("q_lora", "x"), ("idx_q", "idx_w"), lane="indexer")
             )
-        gathers: list[Step] = [node(self._gather_kv, ("kv_raw",), ("kv_raw_g",), collective=True)]
+        gathers: list[Step] = [
+            node(self._swa_rows, ("kv_raw",), ("swa_rows",)),
+            node(self._gather_kv, ("swa_rows",), ("swa_rows_g",), collective=True),
+        ]
         if kv_src:
             gathers.append(node(self._gather_comp, ("comp_kv",), ("comp_kv_g",), collective=True))
         steps += q_lanes + gathers if overlap_gathers else gathers + q_lanes
         side = ("swa", "compressor") if kv_src else ("swa",)
         steps.append(Fork(side))
-        steps.append(node(self._swa_store, ("kv_raw_g",), ("swa_cache",), lane="swa"))
+        steps.append(node(self._swa_store, ("swa_rows_g",), ("swa_cache",), lane="swa"))
         if kv_src:
             steps.append(
                 node(
                     self._compressor,
                     ("comp_kv_g",),
-                    ("comp_cache", "index_k_ws"),
+                    ("comp_cache", "index_cache"),
                     lane="compressor",
                 )
             )
         steps.append(Join(("q", "indexer", *side) if idx else ("q", *side)))
         if idx:
             steps.append(node(self._logits_topk, ("idx_q", "idx_w"), ("topk",)))
-        released = ["q_raw", "kv_raw", "kv_raw_g", "q_lora"]
+        released = ["q_raw", "kv_raw", "swa_rows", "swa_rows_g", "q_lora"]
         if kv_src:
             released += ["comp_kv", "comp_kv_g"]
         if idx:
@@ -352,24 +363,38 @@ class DeepseekV41Attention(nn.Module):
         with stage("output_proj"):
             return grouped_output(o, self.wo_a, self.wo_b, self.config.o_groups)
 
-    def sparse_indices(self, ctx: ForwardContext) -> Tensor:
-        """[L, W (+ K_top)] int32 rows of the KV pool: the SWA window, then top-k entries."""
-        local, cache = ctx.local, ctx.cache
-        win = local.window_slots(self.window)
-        parts = [torch.where(win >= 0, win + cache.swa_base(self.layer), -1)]
+    def _kv_source(self) -> int:
         src = self.role.kv_source
-        if self.role.compressed:
-            if src is None:
-                raise ValueError(f"layer {self.layer}: a compressed layer needs a kv source")
-            topk = ctx.cross.topk[self.role.ratio]
-            comp = local.entry_slots(self.role.ratio, topk)
-            parts.append(torch.where(comp >= 0, comp + cache.comp_base(src), -1))
-        return torch.cat(parts, dim=1).to(torch.int32)
+        if src is None:
+            raise ValueError(f"layer {self.layer}: a compressed layer needs a kv source")
+        return src
+
+    def sparse_indices(self, ctx: ForwardContext) -> tuple[Tensor, Tensor | None]:
+        """int32 rows of this layer's SWA cache [L, W] (the window) and, on compressed layers,
+        of the kv source's compressed cache [L, K_top] (the top-k entries); −1 = none."""
+        local, cache = ctx.local, ctx.cache
+        win = cache.swa_rows(local.window_slots(self.window)).to(torch.int32)
+        if not self.role.compressed:
+            return win, None
+        r = self.role.ratio
+        comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
+        return win, comp.to(torch.int32)
 
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
-        local = ctx.local
-        idx = self.sparse_indices(ctx)
-        o = sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
+        local, cache = ctx.local, ctx.cache
+        win, comp_idx = self.sparse_indices(ctx)
+        comp = cache.compressed[self._kv_source()] if comp_idx is not None else None
+        o = sparse_attention_cached(
+            q,
+            cache.swa[self.layer],
+            win,
+            comp,
+            comp_idx,
+            self.attn_sink,
+            self.scale,
+            cache.formats.swa,
+            cache.formats.compressed,
+        )
         o = rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
         # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).
         return o * local.valid[:, None, None].to(o.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4cp.ops.attention import sparse_attention
+from dsv4cp.ops.attention import sparse_attention, sparse_attention_cached
 from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
 from dsv4cp.ops.indexer import (
     candidate_blocks,
@@ -12,6 +12,7 @@ from dsv4cp.ops.indexer import (
     topk_among_blocks,
     topk_indices,
 )
+from dsv4cp.ops.indexer_cached import mqa_logits_cached
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output
@@ -33,12 +34,14 @@ __all__ = [
     "indexer_weights",
     "linear_fp32",
     "mqa_logits",
+    "mqa_logits_cached",
     "pair_pool",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
     "rope_tail_",
     "sparse_attention",
+    "sparse_attention_cached",
     "store_swa_k",
     "swa_key",
     "topk_among_blocks",

@@ -158,8 +158,8 @@ def run_scenario(
     for rid in [f"r{i}" for i in range(len(sc.lens))]:
         st = runner.alloc.requests[rid]
         slots = runner.cache.req_to_token[st.row, : st.length]
-        for name, t in runner.cache.state_dict_view().items():
-            res[f"cache/{name}/{rid}"] = t[slots].detach().float().cpu()
+        for name, t in runner.cache.slot_view(slots).items():
+            res[f"cache/{name}/{rid}"] = t.detach().float().cpu()
     return res
 
 
