@@ -180,7 +180,7 @@ class KVCache:
     def pair_read_rows(self, tok: TokenMeta) -> Tensor:
         """Where the first new token of a forward starting at an odd position finds its even
         partner; other rows read the dummy row (their value is not used)."""
-        first = tok.pair_partner_from_state()
+        first = tok.pair_partner_from_state() & (tok.positions % 2 == 1)
         if self.windowed:
             return torch.where(first, tok.req_row, self.pair_dummy_row)
         return torch.where(first, tok.slot_of(tok.positions - 1), 0)
