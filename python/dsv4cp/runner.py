@@ -53,6 +53,7 @@ class PrefillRunner:
         self.cache = cache or KVCache(
             model.config,
             num_slots,
+            quant=getattr(model, "quant", "none"),  # the caches store the model's numerics
             max_requests=max_requests,
             max_context=max_context,
             page_size=page_size,

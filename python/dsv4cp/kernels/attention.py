@@ -12,6 +12,12 @@ its format (`ops.kv_format`): dense rows are loaded as stored; fp8 / fp4 rows ar
 from their code and scale bytes to exact fp32 values, which are also exact in bf16, so a bf16
 query multiplies the same tensor-core inputs as with a dense cache of the dequantized values.
 No workspace is built: the caches are read in place.
+
+quant="qat" follows the reference's `sparse_attn` order (ops.attention_quant.sparse_attention_qat):
+blocks of 64 indices, the running max starting at −1e30 without the sink, the probabilities
+rounded to bf16 for p·v (the running sum keeps fp32 p), the sink's term added at the end. The
+kernel works in base 2 (exp2 of log2(e)-scaled scores), so it agrees with the torch order to
+fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from torch import Tensor
 
 from dsv4cp.kernels._triton import interpreting, to_dtype
 from dsv4cp.ops.kv_format import check_format, row_width
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 MAX_D = 512
 # (BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py --sweep.
 DEFAULT_CONFIG = (64, 8, 2)
+QAT_BLOCK_N = 64  # the reference's sparse_attn block (ops.attention_quant.ATTENTION_BLOCK)
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host uses .value
 # format codes the kernel branches on (constexpr)
 FORMAT_CODES = {"dense": 0, "fp8_ue8m0_32": 1, "fp4_e4m3_16": 2, "fp4_ue8m0_32": 3}
@@ -97,6 +105,7 @@ def _attend_source(
     FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr,
 ):
     """The online-softmax update over one source's indices; returns (m, l_sum, acc)."""
     for start in range(0, NUM_IDX, BLOCK_N):
@@ -117,6 +126,8 @@ def _attend_source(
         p = tl.exp2(s - m_use[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if QAT:  # the reference rounds p to bf16 for p·v
+            p = p.to(tl.bfloat16)
         acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
         m = m_new
     return m, l_sum, acc
@@ -153,6 +164,7 @@ def _sparse_attention_kernel(
     COMP_FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -168,17 +180,23 @@ def _sparse_attention_kernel(
         q = q.to(tl.float32)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=float("-inf")).to(tl.float32)
     sink = sink * _LOG2E
-    m = sink
-    l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
+    if QAT:  # the running max starts at -1e30 and never takes the sink
+        m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+        l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    else:
+        m = sink
+        l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
     m, l_sum, acc = _attend_source(
         q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC,
+        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, QAT,
     )  # fmt: skip
     m, l_sum, acc = _attend_source(
         q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
-        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC,
+        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, QAT,
     )  # fmt: skip
+    if QAT:
+        l_sum = l_sum + tl.exp2(sink - m)
     o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -266,13 +284,21 @@ def sparse_attention_cached(
     scale: float,
     swa_format: str = "dense",
     comp_format: str = "dense",
+    quant: QuantMode = "none",
 ) -> Tensor:
     """Triton twin of ops.attention.sparse_attention_cached: [T, H, D] in q.dtype."""
     check_sparse_attention_cached(
         q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
     )
+    qat = check_quant_mode(quant) == "qat"
     return _launch(
-        q, (swa, swa_indices, swa_format), (comp, comp_indices, comp_format), sink, scale
+        q,
+        (swa, swa_indices, swa_format),
+        (comp, comp_indices, comp_format),
+        sink,
+        scale,
+        config=(QAT_BLOCK_N, *DEFAULT_CONFIG[1:]) if qat else None,
+        qat=qat,
     )
 
 
@@ -317,6 +343,7 @@ def _launch(
     scale: float,
     *,
     config: tuple[int, int, int] | None = None,
+    qat: bool = False,
 ) -> Tensor:
     t, h, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -360,6 +387,7 @@ def _launch(
         # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        QAT=qat,
         num_warps=warps,
         num_stages=stages,
     )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.kv_format import decode_rows, row_width
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 
 def _attend(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -85,13 +87,16 @@ def sparse_attention_cached(
     scale: float,
     swa_format: str = "dense",
     comp_format: str = "dense",
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """`sparse_attention` over the keys swa[swa_indices] then comp[comp_indices], each cache
+    """Sparse attention over the keys swa[swa_indices] then comp[comp_indices], each cache
     stored in its format (`ops.kv_format`: dense, or quantized rows decoded here to fp32).
 
     q [T,H,D]; swa [N_swa, row] and swa_indices [T,W]; comp [N_c, row] and comp_indices [T,K]
     (both None for a layer without compressed keys); -1 indices skipped; → [T,H,D] in q.dtype.
-    Equal to `sparse_attention` over the dequantized rows concatenated in that order.
+    Equal to `sparse_attention` ("none") or `attention_quant.sparse_attention_qat` ("qat": the
+    reference's block order and probability rounding) over the dequantized rows concatenated in
+    that order.
     """
     t, h, d = q.shape
     if sink.shape != (h,):
@@ -100,4 +105,9 @@ def sparse_attention_cached(
     k_comp, v_comp = _cached_keys(comp, comp_indices, comp_format, t, d, "comp")
     keys = torch.cat([k_swa.to(q.device), k_comp.to(q.device)], dim=1)
     valid = torch.cat([v_swa.to(q.device), v_comp.to(q.device)], dim=1)
-    return _attend(q, keys, valid, sink, scale)
+    if check_quant_mode(quant) == "none":
+        return _attend(q, keys, valid, sink, scale)
+    # row t's keys are rows t·K … t·K+K−1 of the flattened keys
+    n_idx = keys.shape[1]
+    rows = torch.arange(t, device=q.device)[:, None] * n_idx + torch.arange(n_idx, device=q.device)
+    return sparse_attention_qat(q, keys.flatten(0, 1), torch.where(valid, rows, -1), sink, scale)

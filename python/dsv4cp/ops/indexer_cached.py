@@ -13,6 +13,7 @@ from torch import Tensor
 
 from dsv4cp.ops.indexer import mqa_logits
 from dsv4cp.ops.kv_format import decode_rows, row_width
+from dsv4cp.ops.quant import QuantMode
 
 
 def mqa_logits_cached(
@@ -25,8 +26,9 @@ def mqa_logits_cached(
     k_start: Tensor | None = None,
     width: int | None = None,
     k_format: str = "dense",
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """`mqa_logits(q, weights, k, n_visible, k_start=, width=)` with k = the rows
+    """`mqa_logits(q, weights, k, n_visible, k_start=, width=, quant=)` with k = the rows
     k_cache[k_rows] decoded from `k_format` (`ops.kv_format`); fp32 [T, width].
 
     q [T, H_I, D_I], weights [T, H_I], k_cache [N_rows, row] stored rows, k_rows int [N] (the
@@ -40,4 +42,4 @@ def mqa_logits_cached(
             f"{tuple(k_cache.shape)} and {tuple(k_rows.shape)}"
         )
     keys = decode_rows(k_cache[k_rows.long().clamp_min(0)], k_format, d)
-    return mqa_logits(q, weights, keys, n_visible, k_start=k_start, width=width)
+    return mqa_logits(q, weights, keys, n_visible, k_start=k_start, width=width, quant=quant)
