@@ -29,7 +29,6 @@ from dsv4cp.ops import (
     grouped_wo_a,
     indexer_weights,
     linear_fp32,
-    mqa_logits_cached,
     rms_norm,
     rope_tail_,
     sparse_attention_qat,
@@ -40,6 +39,7 @@ ENV_FLAG = "DSV4CP_KERNELS"
 
 ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits": (ops.mqa_logits, "dsv4cp.kernels.indexer_logits"),
+    "mqa_logits_cached": (ops.mqa_logits_cached, "dsv4cp.kernels.indexer_logits_cached"),
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.attention"),
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.attention"),
@@ -85,6 +85,7 @@ def _route(name: str) -> Callable[..., Any]:
 
 
 mqa_logits = _route("mqa_logits")
+mqa_logits_cached = _route("mqa_logits_cached")
 topk_indices = _route("topk_indices")
 sparse_attention = _route("sparse_attention")
 sparse_attention_cached = _route("sparse_attention_cached")

@@ -15,6 +15,8 @@ from dsv4cp.kernels.topk import check_topk
 
 # Every op the attention layer calls, routed or not: the door's promise.
 LAYER_OPS = (
+    "mqa_logits_cached",
+    "sparse_attention_cached",
     "mqa_logits",
     "topk_indices",
     "sparse_attention",

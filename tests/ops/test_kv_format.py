@@ -62,10 +62,17 @@ def test_decode_of_encode_is_the_fake_quantizer(fmt: str, dim: int, dtype: torch
         assert torch.equal(got.bfloat16().float(), got), (name, fmt)
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
-def test_fake_values_encode_to_the_same_values(fmt: str) -> None:
-    """A cache that receives already fake-quantized keys stores the same values."""
-    for x in _inputs(128, 3).values():
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0_32", "fp4_ue8m0_32"])
+def test_power_of_two_scaled_fake_values_encode_to_the_same_values(fmt: str) -> None:
+    """A cache that receives already fake-quantized SWA (or index) keys stores the same values:
+    with power-of-two scales the re-quantized scale is the same or half (top code exactly 224,
+    resp. 3) and halving it doubles codes exactly."""
+    edge = torch.zeros(4, 128)
+    edge[0, :3] = torch.tensor([224.2, 0.75, -3e-3])  # fp8: top code 224 → scale halves
+    edge[1, :3] = torch.tensor([3.2, 0.75, 0.25])  # fp4: top code 3 → scale halves
+    edge[2, :2] = torch.tensor([448.0, 2.0**-9])  # saturated top code, subnormal codes
+    edge[3, :2] = torch.tensor([1.0001e-4, 1e-7])  # at the fp8 amax floor
+    for x in [*_inputs(128, 3).values(), edge]:
         fake = FAKE[fmt](x.bfloat16())
         again = decode_rows(encode_rows(fake, fmt, dense_dtype=torch.bfloat16), fmt, 128)
         assert torch.equal(again, fake.float())
@@ -112,3 +119,17 @@ def test_bad_formats_and_shapes_name_the_problem() -> None:
         decode_rows(torch.zeros(2, 70, dtype=torch.uint8), "fp4_ue8m0_32", 128)
     with pytest.raises(ValueError, match=r"x must be \[n, dim\]"):
         encode_rows(torch.zeros(2, 3, 64), "fp8_ue8m0_32", dense_dtype=torch.float32)
+
+
+def test_compressed_key_is_not_idempotent_so_the_cache_takes_it_before_quantization() -> None:
+    """Why the layer hands the compressed key to the cache *before* its fake quant: a block
+    whose e4m3 scale is subnormal can re-quantize to other values (amax 9.6·2^-9: scale 2^-8,
+    top code 4; re-quantized: scale 2^-9, code 8 saturates to 6). The fp8 SWA key and the
+    ue8m0 index key do not have this (power-of-two scales), as the test above checks."""
+    x = torch.zeros(1, 16)
+    x[0, 0] = 9.6 * 2.0**-9
+    once = fake_quant_compressed_key_fp4(x)
+    assert once[0, 0] == 4 * 2.0**-8
+    assert fake_quant_compressed_key_fp4(once)[0, 0] == 6 * 2.0**-9  # not idempotent
+    rows = encode_rows(x, "fp4_e4m3_16", dense_dtype=torch.float32)
+    assert torch.equal(decode_rows(rows, "fp4_e4m3_16", 16), once)

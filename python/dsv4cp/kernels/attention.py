@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels.kv_decode import FORMAT_CODES, load_key_rows
 from dsv4cp.ops.kv_format import check_format, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
@@ -36,54 +37,6 @@ MAX_D = 512
 DEFAULT_CONFIG = (64, 8, 2)
 QAT_BLOCK_N = 64  # the reference's sparse_attn block (ops.attention_quant.ATTENTION_BLOCK)
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host uses .value
-# format codes the kernel branches on (constexpr)
-FORMAT_CODES = {"dense": 0, "fp8_ue8m0_32": 1, "fp4_e4m3_16": 2, "fp4_ue8m0_32": 3}
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as fp32 for int32 e in [-126, 127], built from the exponent bits (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _minifloat(b, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr):
-    """Sign / EXP exponent bits / MAN mantissa bits (int32) → exact fp32 value: normal
-    (2^MAN + m)·2^(e − BIAS − MAN), subnormal m·2^(1 − BIAS − MAN). e4m3: (4, 3, 7) (its NaN
-    code never occurs: the quantizers saturate); e2m1: (2, 1, 1)."""
-    e = (b >> MAN) & ((1 << EXP) - 1)
-    m = b & ((1 << MAN) - 1)
-    mag = tl.where(e == 0, m, m + (1 << MAN)).to(tl.float32)
-    mag = mag * _pow2(tl.maximum(e, 1) - BIAS - MAN)
-    return tl.where(((b >> (EXP + MAN)) & 1) == 1, -mag, mag)
-
-
-@triton.jit
-def _ue8m0_value(b):
-    """ue8m0 byte → 2^(b−127) (b = 0: the subnormal 2^−127)."""
-    return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _load_keys(row_ptr, d, mask, D: tl.constexpr, FMT: tl.constexpr):
-    """Key values [BLOCK_N, D_PAD] of the rows at row_ptr [BLOCK_N, 1]: dense as stored, a
-    quantized format decoded to fp32 (masked lanes are 0)."""
-    if FMT == 0:
-        vals = tl.load(row_ptr + d[None, :], mask=mask, other=0.0)
-    elif FMT == 1:  # fp8 e4m3 codes [D], then one ue8m0 byte per 32
-        b = tl.load(row_ptr + d[None, :], mask=mask, other=0).to(tl.int32)
-        s = tl.load(row_ptr + D + d[None, :] // 32, mask=mask, other=127).to(tl.int32)
-        vals = _minifloat(b, 4, 3, 7) * _ue8m0_value(s)
-    else:  # packed e2m1 [D/2] (even element low), then e4m3 per 16 or ue8m0 per 32
-        byte = tl.load(row_ptr + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((d[None, :] & 1) * 4)) & 0xF
-        if FMT == 2:
-            s = tl.load(row_ptr + D // 2 + d[None, :] // 16, mask=mask, other=0).to(tl.int32)
-            vals = _minifloat(code, 2, 1, 1) * _minifloat(s, 4, 3, 7)
-        else:
-            s = tl.load(row_ptr + D // 2 + d[None, :] // 32, mask=mask, other=127).to(tl.int32)
-            vals = _minifloat(code, 2, 1, 1) * _ue8m0_value(s)
-    return vals
 
 
 @triton.jit
@@ -106,6 +59,7 @@ def _attend_source(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     QAT: tl.constexpr,
+    RNE: tl.constexpr,
 ):
     """The online-softmax update over one source's indices; returns (m, l_sum, acc)."""
     for start in range(0, NUM_IDX, BLOCK_N):
@@ -113,7 +67,7 @@ def _attend_source(
         idx = tl.load(idx_row + offs, mask=offs < NUM_IDX, other=-1)
         valid = (idx >= 0) & (idx < N)
         rows = kv_ptr + idx[:, None].to(tl.int64) * stride_kvn
-        kv = _load_keys(rows, d, valid[:, None] & d_ok[None, :], D, FMT)
+        kv = load_key_rows(rows, d, valid[:, None] & d_ok[None, :], D, FMT)
         if UPCAST:
             kv = kv.to(tl.float32)
         else:
@@ -126,8 +80,8 @@ def _attend_source(
         p = tl.exp2(s - m_use[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if QAT:  # the reference rounds p to bf16 for p·v
-            p = p.to(tl.bfloat16)
+        if QAT:  # the reference rounds p to bf16 for p·v (interpreter: emulate the RNE cast)
+            p = to_dtype(p, tl.bfloat16, RNE)
         acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
         m = m_new
     return m, l_sum, acc
@@ -165,6 +119,7 @@ def _sparse_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     QAT: tl.constexpr,
+    RNE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -189,11 +144,11 @@ def _sparse_attention_kernel(
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
     m, l_sum, acc = _attend_source(
         q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, QAT,
+        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, QAT, RNE,
     )  # fmt: skip
     m, l_sum, acc = _attend_source(
         q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
-        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, QAT,
+        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, QAT, RNE,
     )  # fmt: skip
     if QAT:
         l_sum = l_sum + tl.exp2(sink - m)
@@ -388,6 +343,7 @@ def _launch(
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         QAT=qat,
+        RNE=interpreting(),  # the interpreter truncates fp32 → bf16
         num_warps=warps,
         num_stages=stages,
     )
