@@ -191,3 +191,41 @@ def test_meta_device_cache_and_its_views() -> None:
     assert cache.swa[0].device.type == "meta" and cache.swa[0].shape[1] == 528
     assert cache.compressed[2].shape[1] == 288 and cache.index[20].shape[1] == 68
     assert cache.compressed[2].shape[0] == (4096 + 64) // 2
+
+
+@pytest.mark.parametrize("quant", ["none", "qat"])
+def test_tiny_formula_equals_a_real_allocation_after_a_prefill(quant: str) -> None:
+    """A CPU cache sized for one request of n tokens, filled by the runner: what it allocates
+    beyond the dummy page and dummy pair row, and the SWA pages it still holds, is the plan."""
+    from dsv4cp.model import DeepseekV41Model
+    from dsv4cp.runner import PrefillRunner
+
+    n, page = 90, 4
+    model = DeepseekV41Model(TINY, seed=0)
+    for block in model.blocks:
+        block.attn.quant = quant  # type: ignore[assignment]
+    pages = -(-n // page)
+    cache = KVCache(
+        TINY,
+        (pages + 1) * page,
+        quant=quant,  # type: ignore[arg-type]
+        window_slots=pages * page,  # the whole prompt is one chunk
+        max_requests=1,
+        max_context=n,
+        page_size=page,
+    )
+    runner = PrefillRunner(model, cache=cache)
+    runner.prefill({"a": list(range(n))})
+    plan = cache_bytes(TINY, n, quant=quant, page_size=page, dtype=torch.float32)  # type: ignore[arg-type]
+    alloc = cache.nbytes_by_kind()
+    dummy = {
+        "compressed": (page // 2 + page) * cache.row_bytes("compressed"),  # r2 source 1, r1 3
+        "index_keys": (page // 2 + page) * cache.row_bytes("index"),
+        "pair_state": 2 * TINY.head_dim * 4,
+        "slot_tables": 4,
+    }
+    for kind, extra in dummy.items():
+        assert alloc[kind] - plan.by_kind[kind] == extra, kind
+    held = runner.alloc.swa_pages_held("a") * page * len(cache.swa) * cache.row_bytes("swa")
+    assert held == plan.by_kind["swa_window"]
+    assert int((cache.swa_page_table >= 0).sum()) - 1 == runner.alloc.swa_pages_held("a")

@@ -1,4 +1,4 @@
-"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy.
+"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy, cache-size.
 
 Each subcommand lives in `dsv4cp/commands/<name>_cmd.py` with `add_parser(subparsers)` and
 `run(args) -> int`; this file only dispatches.
@@ -17,6 +17,7 @@ COMMANDS = {
     "profile": "dsv4cp.commands.profile_cmd",
     "export-tiny": "dsv4cp.commands.export_tiny_cmd",
     "accuracy": "dsv4cp.commands.accuracy_cmd",
+    "cache-size": "dsv4cp.commands.cache_size_cmd",
 }
 
 

@@ -1,0 +1,70 @@
+"""`dsv4cp cache-size`: the plan as a table or JSON, the Flash figure, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4cp.cache import cache_bytes
+from dsv4cp.cli import main
+from dsv4cp.config import DeepseekV41Config
+
+FLASH_JSON = Path(__file__).resolve().parent / "fixtures" / "deepseek-v41-flash-config.json"
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture) -> dict:
+    assert main(["cache-size", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_flash_128k_json(capsys: pytest.CaptureFixture) -> None:
+    out = _json(["--tokens", "128K"], capsys)
+    assert out["tokens"] == 131072 and out["quant"] == "qat"
+    assert set(out["by_kind"]) == {
+        "swa_window",
+        "compressed",
+        "index_keys",
+        "pair_state",
+        "slot_tables",
+    }
+    assert out["bytes_total"] == sum(out["by_kind"].values())
+    assert out["bytes_per_token"] == out["bytes_total"] / 131072 <= 950
+    want = cache_bytes(DeepseekV41Config.flash(), 131072)
+    assert out["by_kind"] == want.by_kind
+
+
+def test_config_path_quant_none_and_every_slot(capsys: pytest.CaptureFixture) -> None:
+    path = _json(["--config", str(FLASH_JSON), "--tokens", "4096"], capsys)
+    preset = _json(["--tokens", "4096"], capsys)
+    assert path["by_kind"] == preset["by_kind"]
+    dense = _json(["--tokens", "4096", "--quant", "none", "--every-slot"], capsys)
+    assert dense["by_kind"]["swa_window"] == 40 * 4096 * 1024  # a bf16 row per layer and slot
+    assert 55_000 < dense["bytes_per_token"] < 58_400  # the issue's "~57 KiB per token"
+    fp32 = _json(["--tokens", "4096", "--quant", "none", "--dtype", "fp32"], capsys)
+    assert fp32["by_kind"]["compressed"] == 2 * dense["by_kind"]["compressed"]
+
+
+def test_table(capsys: pytest.CaptureFixture) -> None:
+    assert main(["cache-size", "--config", "tiny", "--tokens", "1000", "--page-size", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "1000 tokens (tiny, quant qat, page 8, SWA window" in text
+    assert all(k in text for k in ("swa_window", "compressed", "index_keys", "pair_state", "total"))
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--tokens", "-5"], "--tokens must be a non-negative integer"),
+        (["--tokens", "12x"], "--tokens must be a non-negative integer"),
+        (["--tokens", "5", "--page-size", "0"], "--page-size must be >= 1"),
+        (["--tokens", "5", "--quant", "fp8"], "--quant must be qat or none"),
+        (["--tokens", "5", "--dtype", "fp16"], "--dtype must be bf16 or fp32"),
+        (["--tokens", "5", "--config", "/no/such/dir"], "no config.json at /no/such/dir"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001
+    assert main(["cache-size", *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
