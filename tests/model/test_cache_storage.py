@@ -237,3 +237,43 @@ def test_fixture_qat_codes_equal_values_storage_and_cp() -> None:
         for out, _, raw in _fixture_stack_runs(cp):
             assert all(torch.equal(out[k], v) for k, v in ref_out.items()), cp
             assert all(torch.equal(raw[k], v) for k, v in ref_raw.items()), cp
+
+
+@pytest.mark.parametrize("quant", ["none", "qat"])
+def test_cp_gathers_carry_the_stored_swa_rows(quant: str) -> None:
+    """Bytes per token per layer that the SWA gather carries: the stored row (qat: D + D/32
+    bytes; none: D values of the cache dtype), each rank having keyed its own rows; CP = 2
+    equals CP = 1 (none: 1e-5 as in tests/cp)."""
+    from dsv4cp.cp.fake import FakeCPGroup, FakeCPWorld, run_ranks
+
+    model = MODELS[quant]
+    tokens = _prompt(41, 9)
+    sizes: dict[str, int] = {}
+    real = FakeCPGroup.all_gather
+
+    def recording(self, x: Tensor, *, tag: str) -> Tensor:  # noqa: ANN001
+        if self.rank == 0:
+            sizes[tag] = x[0].numel() * x.element_size()
+        return real(self, x, tag=tag)
+
+    def body(group):  # noqa: ANN001, ANN202
+        cache = KVCache(model.config, 512, quant=quant, window_slots=128, max_context=64)  # type: ignore[arg-type]
+        return PrefillRunner(model, cache=cache, cp=group).prefill(
+            {"a": tokens}, return_all_logits=True
+        )
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        m.setattr(FakeCPGroup, "all_gather", recording)
+        outs = run_ranks(FakeCPWorld(2, timeout_s=60), body)
+    d = model.config.head_dim
+    want = d + d // 32 if quant == "qat" else d * 4
+    assert {k: v for k, v in sizes.items() if k.endswith("/swa_rows")} == {
+        f"layer{i}/swa_rows": want for i in range(model.config.num_hidden_layers)
+    }
+    one = _chunked(_runner(model, quant), tokens, [len(tokens)])
+    # qat: a code can flip where a GEMM of other row counts rounds differently (≈1e-3)
+    tol = TOL if quant == "none" else 1e-2
+    for out in outs:
+        assert out.all_logits is not None and _rel(out.all_logits, one) <= tol
+        assert torch.equal(out.all_logits, outs[0].all_logits)  # every rank: the same rows
