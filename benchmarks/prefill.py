@@ -53,6 +53,7 @@ def bench_config() -> DeepseekV41Config:
         index_source_layer_ids=(1, 3, 5),
         candidate_source_layer_id=3,
         vocab_size=4096,
+        quantization=None,  # dense bf16 weights, random (fp8 storage needs a checkpoint)
     )
 
 

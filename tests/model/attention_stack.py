@@ -21,6 +21,7 @@ from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.ops.norm import rms_norm
+from dsv4cp.ops.quant import check_quant_mode
 
 R = TypeVar("R")
 
@@ -32,9 +33,11 @@ def load_attention(
     *,
     quant: str,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
 ) -> DeepseekV41Attention:
     """Layer `layer`'s attention with its weights read from the checkpoint (wo_a dequantized)."""
-    attn = DeepseekV41Attention(config, layer, dtype=dtype, quant=quant)  # type: ignore[arg-type]
+    mode = check_quant_mode(quant)
+    attn = DeepseekV41Attention(config, layer, dtype=dtype, device=device, quant=mode)
     prefix = f"layers.{layer}.attn."
     slots = attn.checkpoint_slots(prefix)
     load_into(slots, reader, list(slots), dequantize=attn.checkpoint_dequantize(prefix))
@@ -54,6 +57,7 @@ class AttentionStack:
         num_slots: int = 1024,
         max_context: int = 512,
         store_values: bool = False,
+        device: str = "cpu",
     ) -> None:
         self.config, self.layers = config, list(layers)
         quant = self.layers[0].quant if self.layers else "none"
@@ -65,6 +69,7 @@ class AttentionStack:
             max_requests=8,
             max_context=max_context,
             dtype=dtype,
+            device=device,
         )
         self.alloc = PagedAllocator(self.cache)
         self.cp = cp or SingleCPGroup()
