@@ -286,37 +286,41 @@ class DeepseekV41Attention(nn.Module):
         st["comp_cache"] = cache.compressed[self.layer]
         st["index_cache"] = cache.index[self.layer]
 
+    def index_logits(
+        self, q: Tensor, w: Tensor, ctx: ForwardContext, rows: slice = slice(None)
+    ) -> Tensor:
+        """Index scores fp32 [n, width] of this rank's local rows `rows` (q, w: their index
+        queries and head weights) against every entry of the layer's ratio, read from the kv
+        source's index cache (the workspace entries' rows, decoded on load)."""
+        r = self.role.ratio
+        ws = ctx.meta.workspaces[r]
+        cache = ctx.cache
+        return mqa_logits_cached(
+            q,
+            w,
+            cache.index[self._kv_source()],
+            cache.entry_rows(r, ws.slots),
+            ctx.local.n_visible(r)[rows],
+            k_start=ctx.workspace_start(r)[rows],
+            width=max(ws.max_entries, 1),
+            k_format=cache.formats.index,
+            quant=self.quant,
+        )
+
     def _logits_topk(self, st: PrepareState) -> None:
-        """Local index queries × the ratio's index keys, read from the kv source's index cache
-        (the workspace entries' rows) → top-k (and candidates)."""
+        """Local index queries × the ratio's index keys (`index_logits`, in row chunks) →
+        top-k (and candidates)."""
         ctx = st.ctx
         r = self.role.ratio
-        local = ctx.local
-        ws_meta = ctx.meta.workspaces[r]
-        src = self._kv_source()
-        keys = ctx.cache.index[src]
-        key_rows = ctx.cache.entry_rows(r, ws_meta.slots)
-        key_format = ctx.cache.formats.index
-        n_vis = local.n_visible(r)
-        k_start = ctx.workspace_start(r)
-        width = max(ws_meta.max_entries, 1)
-        rows = local.num_rows
+        n_vis = ctx.local.n_visible(r)
+        width = max(ctx.meta.workspaces[r].max_entries, 1)
+        rows = ctx.local.num_rows
         chunk = max(1, min(rows, LOGITS_BUDGET_BYTES // (4 * width)))
         cfg = self.config
         topk_parts, cand_parts = [], []
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
-            logits = mqa_logits_cached(
-                st["idx_q"][a:b],
-                st["idx_w"][a:b],
-                keys,
-                key_rows,
-                n_vis[a:b],
-                k_start=k_start[a:b],
-                width=width,
-                k_format=key_format,
-                quant=self.quant,
-            )
+            logits = self.index_logits(st["idx_q"][a:b], st["idx_w"][a:b], ctx, slice(a, b))
             if self.role.candidate_consumer:
                 blocks = ctx.cross.candidates[r][a:b]
                 topk_parts.append(
