@@ -77,7 +77,8 @@ def _act_quant_kernel(
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)  # ops.quant.FP8_AMAX_FLOOR
     scale = _pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
     v = tl.minimum(tl.maximum(xb / scale[:, :, None], -448.0), 448.0)
-    codes = tl.reshape(_e4m3_rne(v), (ROWS, N_BLOCKS * BLOCK))
+    # keep the sign of zero (-0 codes as 0x80, as torch's cast does)
+    codes = tl.reshape(tl.where(v == 0.0, v, _e4m3_rne(v)), (ROWS, N_BLOCKS * BLOCK))
     tl.store(
         codes_ptr + rows64[:, None] * stride_cm + cols[None, :], codes.to(tl.float8e4nv), mask=ok
     )
