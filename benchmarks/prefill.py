@@ -61,6 +61,7 @@ def bench_config() -> DeepseekV41Config:
         engram_layer_ids=(),
         engram_num_embeddings=(),
         dspark_target_layer_ids=(),
+        quantization=None,  # dense bf16 weights, random (fp8 storage needs a checkpoint)
     )
 
 

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("prepare_overlap: needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfg = DeepseekV41Config.flash()
+    cfg = DeepseekV41Config.flash(quantization=None)  # dense bf16 weights, random
     dtype = torch.bfloat16
     ids = tuple(int(v) for v in args.layers.split(","))
     layers = build_layers(cfg, ids, dtype)

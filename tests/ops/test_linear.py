@@ -23,7 +23,9 @@ from dsv4cp.ops.linear import (
     dequant_fp8_rows,
     fp4_linear,
     fp8_linear,
+    fp8_scale_shape,
     linear,
+    quantize_fp8_blocks,
 )
 from dsv4cp.ops.quant import act_quant_fp8, e8m0_to_float, unpack_fp4
 
@@ -214,3 +216,24 @@ def test_linear_module_forward_on_checkpoint_weights() -> None:
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), fp8_linear(x, w, s))
     assert torch.equal(layer(x, "none"), linear(x, w, s, "none"))
+
+
+def test_quantize_fp8_blocks_round_trips_checkpoint_weights() -> None:
+    """Re-quantizing a released fp8 weight gives back its codes and scales; a dense weight comes
+    back within one e4m3 rounding (half a step: 2^-4 of the value, or of the block's subnormal
+    spacing)."""
+    from tests.model import dsv41_fixture as fx
+
+    name = "layers.1.attn.wq_b"
+    codes, scale = fx.tensor(f"{name}.weight"), fx.tensor(f"{name}.scale")
+    dense = dequant_fp8_blocks(codes, scale)
+    got_codes, got_scale = quantize_fp8_blocks(dense)
+    back = dequant_fp8_blocks(got_codes, got_scale)
+    assert torch.equal(back, dense)  # the same values (a block may pick a smaller scale)
+    w = torch.randn(70, 45, generator=torch.Generator().manual_seed(3))
+    c, s = quantize_fp8_blocks(w)
+    assert c.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+    assert tuple(s.shape) == fp8_scale_shape(70, 45)
+    step = e8m0_to_float(s).repeat_interleave(32, 0)[:70].repeat_interleave(32, 1)[:, :45]
+    err = (dequant_fp8_blocks(c, s) - w).abs()
+    assert torch.all(err <= torch.maximum(w.abs() * 2.0**-4, step * 2.0**-10))
