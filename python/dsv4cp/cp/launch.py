@@ -41,6 +41,7 @@ __all__ = ["TIMEOUT_GRACE_S", "CPLaunchError", "run_cp", "spawn_ranks"]
 
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
+_STORE_MIN_TIMEOUT_S = 30.0  # the parent's store only connects to itself; nothing waits on it
 # After a collective timed out, every healthy rank times out in the same collective within the
 # skew of their arrival: a rank with no report this long after the first timeout is hung.
 TIMEOUT_GRACE_S = 1.0
@@ -201,7 +202,7 @@ def spawn_ranks(
         cp_size,
         is_master=True,
         wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=max(timeout_s, _STORE_MIN_TIMEOUT_S)),  # its own connect
     )
     flag = resolve_check_order(check_order)
     started: list[Any] = []
