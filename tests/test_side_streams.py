@@ -109,3 +109,16 @@ def test_pool_collects_owners_that_are_gone_before_giving_up() -> None:
     finally:
         gc.enable()
     assert fresh.cuda_stream not in {s.cuda_stream for s in held}
+
+
+def test_capacity_and_the_up_front_check() -> None:
+    pool = SideStreamRegistry(None, _pool(32), FakeStream, mode="pool")
+    assert pool.capacity(0) == 32
+    pool.reserve_check(0, 32, "--cp 8 (fake) with --multistream")
+    held = [pool.acquire(0) for _ in range(12)]
+    with pytest.raises(SideStreamError, match=r"needs 21 side streams on cuda:0 and torch's pool"):
+        pool.reserve_check(0, 21, "--cp 7 (fake) with --multistream")
+    assert pool.held(0) == len(held)  # the check holds nothing
+    reg, _ = _external()
+    assert reg.capacity(0) is None
+    reg.reserve_check(0, 10_000, "anything")

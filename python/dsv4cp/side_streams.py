@@ -37,6 +37,7 @@ __all__ = [
     "MODE_ENV",
     "SideStreamError",
     "SideStreamRegistry",
+    "check_side_streams",
     "side_stream",
     "side_stream_mode",
 ]
@@ -88,6 +89,27 @@ class SideStreamRegistry:
             held.add(handle)
             weakref.finalize(stream, self._release, device, handle)
             return stream
+
+    def capacity(self, device: int) -> int | None:
+        """How many side streams can be held at once on `device` (None: no bound)."""
+        if self.create is not None:
+            return None
+        with self._lock:
+            seen: set[int] = set()
+            while (handle := int(self.draw(device).cuda_stream)) not in seen:
+                seen.add(handle)
+            return len(seen)
+
+    def reserve_check(self, device: int, count: int, what: str) -> None:
+        """SideStreamError, before anything is held, when `count` more streams cannot be had."""
+        cap = self.capacity(device)
+        if cap is not None and count + self.held(device) > cap:
+            raise SideStreamError(
+                f"side streams: {what} needs {count} side streams on cuda:{device} and torch's "
+                f"pool has {cap} ({self.held(device)} held); use fewer fake CP ranks with "
+                f"multistream and graphs, or leave {MODE_ENV} unset so that dedicated streams "
+                "are made"
+            )
 
     def held(self, device: int) -> int:
         with self._lock:
@@ -233,6 +255,12 @@ def side_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
         index = torch.cuda.current_device() if device is None else int(device)
     stream: torch.cuda.Stream = _get_registry().acquire(index)
     return stream
+
+
+def check_side_streams(count: int, what: str, device: int | None = None) -> None:
+    """Refuse up front (`SideStreamError`) when `count` side streams cannot be held at once."""
+    index = torch.cuda.current_device() if device is None else device
+    _get_registry().reserve_check(index, count, what)
 
 
 def side_stream_mode() -> str:

@@ -63,7 +63,9 @@ def test_check_cp8_fake_multistream_graphs(prefix: str) -> None:
 def test_pool_only_refuses_cp8_and_runs_cp4() -> None:
     proc = _check("--cp", "8", "--lens", "300", env={"DSV4CP_SIDE_STREAMS": "pool"})
     assert proc.returncode == 2, proc.stderr[-4000:]
-    assert "streams of torch's pool on cuda:0 are held" in proc.stderr
+    # refused before the CP=1 reference runs
+    assert "needs 40 side streams on cuda:0 and torch's pool has 32" in proc.stderr
+    assert "[1/2]" not in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = _check("--cp", "4", "--lens", "300", env={"DSV4CP_SIDE_STREAMS": "pool"})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,6 +13,7 @@ from dsv4cp.commands.common import (
     add_cp_args,
     check_cp_args,
     check_cpu_size,
+    check_fake_side_streams,
     finite_float,
     int_list,
     positive_int_list,
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     backend = check_cp_args(args)
+    check_fake_side_streams(args, backend)
     check_cpu_size(args, base.lens)
     log = sys.stderr if args.json else sys.stdout
     print(

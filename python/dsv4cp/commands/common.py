@@ -175,3 +175,17 @@ def output_dir(path: str) -> Path:
     if not os.access(p, os.W_OK | os.X_OK):
         raise UsageError(f"{path}: the directory is not writable")
     return p
+
+
+def check_fake_side_streams(args: argparse.Namespace, backend: str) -> None:
+    """Fake CP on CUDA: every rank (a thread) holds its own side streams, one per multistream
+    lane and one to capture graphs; refuse up front when they cannot all be had."""
+    if args.device != "cuda" or backend != "fake" or not args.multistream:
+        return
+    from dsv4cp.config import DeepseekV41Config
+    from dsv4cp.model import DeepseekV41Model
+    from dsv4cp.side_streams import check_side_streams
+
+    lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
+    per_rank = lanes + (1 if args.graphs else 0)
+    check_side_streams(args.cp * per_rank, f"--cp {args.cp} (fake) with --multistream")

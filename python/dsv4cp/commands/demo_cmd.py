@@ -11,6 +11,7 @@ from dsv4cp.commands.common import (
     add_cp_args,
     check_cp_args,
     check_cpu_size,
+    check_fake_side_streams,
     int_list,
     positive_int_list,
 )
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     backend = check_cp_args(args)
+    check_fake_side_streams(args, backend)
     check_cpu_size(args, sc.lens)
     if args.device == "cpu":
         # The CP ranks get cpu_count // cp threads each; give the CP=1 run the same, so the two

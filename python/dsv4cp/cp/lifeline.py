@@ -3,7 +3,9 @@
 `die_with_parent(parent_pid)` runs first in every rank process: on Linux the kernel sends it
 SIGKILL when the parent dies (`prctl(PR_SET_PDEATHSIG)`); a daemon thread also polls
 `os.getppid()` (every platform, and the case where the parent died before the prctl). So a
-parent killed by SIGKILL, SIGTERM or a crash leaves no rank behind.
+parent killed by SIGKILL, SIGTERM or a crash leaves no rank behind. (Linux sends the signal when
+the *thread* that started the rank ends: `spawn_ranks` starts ranks from the thread that then
+waits for them, which outlives them.)
 """
 
 from __future__ import annotations
