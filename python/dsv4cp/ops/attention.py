@@ -16,7 +16,9 @@ def sparse_attention(
     """o[t,h] = Σ e^{s-m} kv[idx] / (Σ e^{s-m} + e^{sink[h]-m}); -1 indices skipped.
 
     q [T,H,D], kv [N,D] (K = V), indices [T,K], sink [H] fp32 → [T,H,D] in q.dtype. Duplicate
-    indices count once per occurrence; a row with no valid index gives 0.
+    indices count once per occurrence; a row with no valid index gives 0 (0 / 1 when the sink is
+    -inf too). NaN in q, a visible key or the sink gives NaN in the heads it reaches, as in the
+    Triton kernel (`kernels/attention.py`), never a silent 0.
     """
     t, h, d = q.shape
     if kv.dim() != 2 or kv.shape[1] != d or indices.shape[0] != t or sink.shape != (h,):
@@ -36,5 +38,5 @@ def sparse_attention(
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True) + torch.exp(sink_f - m)
     o = torch.einsum("thk,tkd->thd", p, keys)
-    o = torch.where(denom > 0, o / denom, 0.0)
+    o = o / torch.where(denom > 0, denom, 1.0)  # as the kernel: NaN stays NaN, no key → 0
     return o.to(q.dtype)
