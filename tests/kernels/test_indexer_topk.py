@@ -76,6 +76,19 @@ def test_candidate_source_and_consumer() -> None:
     _equal(got, ops.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512))
 
 
+def test_consumer_gather_at_long_context() -> None:
+    t, n = 128, 200000  # 25000 blocks, 2048 published: "auto" gathers them
+    q, w, k, g = _ints(t, n, seed=6)
+    nv = n - 127 + torch.arange(t, device="cuda")
+    _, blocks = routing.mqa_topk_candidates(q, w, k, nv, 512, 8, 2048)
+    q2, w2, _, _ = _ints(t, n, seed=7)
+    want = ops.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512)
+    _equal(routing.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512), want)
+    for mode in ("map", "gather"):
+        got, _ = launch_mqa_topk(q2, w2, k, nv, 512, block_ids=blocks, block_size=8, consumer=mode)
+        _equal(got, want)
+
+
 def test_random_bf16_tie_aware() -> None:
     g = torch.Generator(device="cuda").manual_seed(4)
     t, n, k_top = 512, 30000, 512

@@ -69,6 +69,18 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool) -> None:
     assert "wgmma.mma_async" in ptx
 
 
+def test_gather_kernel_compiles_for_sm90() -> None:
+    from dsv4cp.kernels import indexer_topk as m
+
+    types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
+    const = dict(
+        K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
+        UPCAST=False, DOT_PREC="tf32",
+    )  # fmt: skip
+    ptx = _compile(m._gather_kernel, types, const, 4, 2)
+    assert "mma" in ptx  # all 32 heads of a row in one tensor-core product
+
+
 def test_merge_and_member_kernels_compile_for_sm90() -> None:
     from dsv4cp.kernels import indexer_topk as m
 

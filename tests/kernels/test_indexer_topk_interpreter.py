@@ -31,6 +31,7 @@ CASES = (
     "rising_logits_cut_every_tile",
     "candidates",
     "consumer",
+    "consumer_gather",
     "random_floats_tie_aware",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
@@ -71,6 +72,8 @@ def test_launcher_limits() -> None:
         launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_ids=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cap 32 must be a power of two"):
         launch_mqa_topk(q, w, k, nv, 8, cap=32, config=(16, 32, 4, 1))
+    with pytest.raises(ValueError, match="consumer must be"):
+        launch_mqa_topk(q, w, k, nv, 8, block_ids=torch.zeros(2, 3), consumer="dense")
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -166,6 +169,24 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 block_ids=ids, block_size=4,
             )  # fmt: skip
             equal(got, ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 8, width=160), "consumer")
+
+    def consumer_gather():
+        # Only the published blocks' keys are scored (one row per step, all heads in one product).
+        q, w, k, nv = inputs(30, 4, 16, 160, seed=9)
+        g = torch.Generator().manual_seed(10)
+        ids = torch.randint(-1, 45, (30, 7), generator=g).int()
+        ids[0] = torch.tensor([3, 3, 1, -1, 2, 2, 0])  # duplicates, unsorted
+        ids[1] = -1
+        ks = torch.cat([torch.zeros(10, dtype=torch.long), torch.full((20,), 20)])
+        nv = torch.minimum(nv, 160 - ks)
+        nv[3] = 0
+        want = ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 8, k_start=ks, width=140)
+        for cap in (None, 64):  # 64: the buffer is cut every other tile
+            got, _ = kern.launch_mqa_topk(
+                q, w, k, nv, 8, k_start=ks, width=140, config=CFG, cap=cap,
+                block_ids=ids, block_size=4, consumer="gather",
+            )  # fmt: skip
+            equal(got, want, f"gather cap={cap}")
 
     def random_floats_tie_aware():
         g = torch.Generator().manual_seed(7)

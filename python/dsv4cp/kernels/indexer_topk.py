@@ -26,6 +26,12 @@ Modes (constexpr flags of the same kernel):
   published list (a [rows, blocks] byte map written by `_member_kernel`) and its logit is finite.
   Every visible column is still scored; the selection, not the product, is restricted.
 
+`_gather_kernel`, a candidate consumer at long context (the width ≥ GATHER_WIDTH_RATIO times the
+published positions): per row, only the keys of its published blocks are loaded and scored, all
+heads of the row in one tensor-core product per tile of blocks, with the same running buffer,
+cut by `_cut_rows`; the block ids are sorted and deduplicated first so that columns arrive in
+ascending order, which the tie rule needs.
+
 A row block whose rows have different k_start (a request boundary inside the block) is done in
 segments, one pass over the piece per distinct k_start, the other rows masked.
 """
@@ -46,6 +52,7 @@ MAX_K = 2048
 MAX_MERGE = 16384  # pieces · K keys merged in registers per row
 MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
+GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
 _INT_MIN = -2147483648
@@ -242,6 +249,81 @@ def _merge_kernel(
 
 
 @triton.jit
+def _gather_kernel(
+    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, ids_ptr, sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr,
+    T, H, N, WIDTH, NB, MB,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
+    K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, HAS_KSTART: tl.constexpr,
+    D: tl.constexpr, H_PAD: tl.constexpr, BS: tl.constexpr, BPT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    # A consumer at long context: per row, only its published blocks (ascending ids, -1 skipped)
+    # are scored, BPT blocks of BS keys per tile, all heads of the row in one product.
+    pid = tl.program_id(0)
+    slot = pid + tl.arange(0, 1)  # this program's buffer (rows pid, pid + grid, ...)
+    d = tl.arange(0, D)
+    hh = tl.arange(0, H_PAD)
+    o = tl.arange(0, K_PAD)
+    bj = tl.arange(0, BPT)
+    off = tl.arange(0, BS)
+    for row in range(pid, T, tl.num_programs(0)):
+        r64 = row * tl.full([], 1, tl.int64)  # row is a plain int in the interpreter
+        n = tl.maximum(tl.minimum(tl.load(nvis_ptr + r64).to(tl.int32), WIDTH), 0)
+        ks = 0
+        if HAS_KSTART:
+            ks = tl.load(kstart_ptr + r64).to(tl.int32)
+        qt = tl.load(
+            q_ptr + r64 * stride_qt + hh[:, None] * stride_qh + d[None, :],
+            mask=(hh < H)[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        wt = tl.load(w_ptr + r64 * stride_wt + hh, mask=hh < H, other=0.0)
+        cnt = tl.zeros([1], dtype=tl.int32)
+        tau = tl.full([1], -2147483648, tl.int32)
+        for b0 in range(0, MB, BPT):
+            ids = tl.load(ids_ptr + r64 * stride_it + b0 + bj, mask=b0 + bj < MB, other=-1)
+            ok = (ids >= 0) & (ids < NB)
+            cols = tl.reshape(ids[:, None] * BS + off[None, :], [BPT * BS])
+            valid = tl.reshape(ok[:, None] & (off >= 0)[None, :], [BPT * BS]) & (cols < n)
+            kt = tl.load(
+                k_ptr + (ks + cols)[None, :].to(tl.int64) * stride_kn + d[:, None],
+                mask=(valid & (ks + cols < N))[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = tl.dot(qt, kt, input_precision=DOT_PREC)
+            logit = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
+            key = _sortable(logit)
+            take = valid & (logit > float("-inf")) & (key > tau)
+            n_take = tl.sum(take.to(tl.int32), 0)
+            if n_take > 0:
+                at = pid.to(tl.int64) * CAP + cnt + tl.cumsum(take.to(tl.int32), 0) - 1
+                tl.store(sk_ptr + at, key, mask=take)
+                tl.store(si_ptr + at, cols, mask=take)
+                cnt += n_take
+                if tl.max(cnt, 0) > CAP - BPT * BS:
+                    tl.store(cnt_ptr + slot, cnt)
+                    tl.debug_barrier()
+                    _cut_rows(
+                        sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K
+                    )
+                    tl.debug_barrier()
+                    cnt = tl.load(cnt_ptr + slot)
+                    tau = tl.load(tau_ptr + slot)
+        tl.store(cnt_ptr + slot, cnt)
+        tl.debug_barrier()
+        _cut_rows(sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K)
+        tl.debug_barrier()
+        c = tl.max(tl.load(cnt_ptr + slot), 0)
+        sel = tl.load(si_ptr + pid.to(tl.int64) * CAP + o, mask=o < c, other=-1)
+        tl.store(out_ptr + r64 * stride_ot + o, tl.where(o < c, sel, -1), mask=o < K)
+        tl.debug_barrier()  # the next row reuses the buffer
+
+
+@triton.jit
 def _member_kernel(ids_ptr, member_ptr, NB, MB, stride_it, MB_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, MB_PAD)
@@ -291,11 +373,15 @@ def launch_mqa_topk(
     pieces: int | None = None,
     cap: int | None = None,
     row_group: int = 4,
+    consumer: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
     tests: `config` (BLOCK_T, BLOCK_N, num_warps, num_stages), `pieces` (width splits), `cap`
-    (row-buffer entries, a power of two ≥ k_top + BLOCK_N), `row_group` (rows cut at once)."""
+    (row-buffer entries, a power of two ≥ k_top + BLOCK_N), `row_group` (rows cut at once),
+    `consumer`: "map" scores every visible key and selects in the published blocks, "gather"
+    scores only the published blocks' keys, "auto" gathers when the width is at least
+    GATHER_WIDTH_RATIO times the published positions."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     t, h, d = q.shape
     n = k.shape[0]
@@ -336,6 +422,14 @@ def launch_mqa_topk(
         weights = weights.contiguous()
     n_visible = n_visible.contiguous()
     nb = triton.cdiv(width, block_size) if (member_mode or max_blocks) else 1
+    if block_ids is not None:
+        if consumer not in ("auto", "map", "gather"):
+            raise ValueError(f"mqa_topk kernel: consumer must be auto/map/gather, got {consumer!r}")
+        wide = width >= GATHER_WIDTH_RATIO * block_ids.shape[1] * block_size
+        if consumer == "gather" or (consumer == "auto" and wide):
+            _launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
+                           block_n, cap, nb)  # fmt: skip
+            return out, None
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
@@ -394,6 +488,48 @@ def launch_mqa_topk(
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size
             blocks_out[a:b] = _launch_topk(bmax, n_blocks, max_blocks)
     return out, blocks_out
+
+
+def _launch_gather(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    k_start: Tensor | None,
+    block_ids: Tensor,
+    out: Tensor,
+    width: int,
+    block_size: int,
+    block_n: int,
+    cap: int,
+    nb: int,
+) -> None:
+    """The consumer's gather mode into `out`: ids sorted, duplicates dropped (the kernel appends
+    columns in ascending order, which the tie rule needs), one buffer per program."""
+    t, h, d = q.shape
+    ids = block_ids.to(torch.int32).sort(dim=1).values
+    dup = torch.zeros_like(ids, dtype=torch.bool)
+    dup[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    ids = ids.masked_fill(dup, -1)
+    dev = q.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    grid = min(t, 8 * sms)
+    sk = torch.empty((grid, cap), dtype=torch.int32, device=dev)
+    si = torch.empty_like(sk)
+    cnt = torch.empty((grid,), dtype=torch.int32, device=dev)
+    tau = torch.empty_like(cnt)
+    _gather_kernel[(grid,)](
+        q, weights, k, n_visible, n_visible if k_start is None else k_start.contiguous(),
+        ids, sk, si, cnt, tau, out,
+        t, h, k.shape[0], width, nb, ids.shape[1],
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), ids.stride(0), out.stride(0),
+        K=out.shape[1], K_PAD=triton.next_power_of_2(out.shape[1]), CAP=cap,
+        HAS_KSTART=k_start is not None, D=d, H_PAD=max(16, triton.next_power_of_2(h)),
+        BS=block_size, BPT=block_n // block_size,
+        UPCAST=interpreting() and q.dtype != torch.float32,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
 
 
 def mqa_topk(
