@@ -333,6 +333,7 @@ class Run:
                 ms, how = self.timer(lambda ex=ex: layer.forward(x, ctx, ex))
                 if ms < row.get("dsv4cp_ms", float("inf")):
                     row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
+            layer.forward(x, ctx)  # later layers read records made eagerly, not in a graph
         row["dsv4cp_indexer"] = "fused" if fused else ("layer" if role.index_source else "-")
         self.components(row, ctx, layer, record)
         if self.peer:
@@ -344,6 +345,7 @@ class Run:
         row["floor_ms"] = row["gemm_ms"] + work / (self.ceiling * 1e12) * 1e3
         row["dsv4cp_over_floor"] = row["dsv4cp_ms"] / row["floor_ms"]
         if "peer_ms" in row:
+            row["dsv4cp_over_peer"] = row["dsv4cp_ms"] / row["peer_ms"]
             row["speedup_vs_peer"] = row["peer_ms"] / row["dsv4cp_ms"]
         return row
 
@@ -372,11 +374,12 @@ class Run:
         row["idx_flops"] = 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(n_eff.sum())
         saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
         unfused = lambda: DeepseekV41Attention._logits_topk(layer, st)  # noqa: E731
+        unfused()
+        want = ctx.cross.topk[r]
+        fused_logits_topk(layer, st)
+        row["fused_rows_identical"] = float((ctx.cross.topk[r] == want).all(1).float().mean())
         row["idx_layer_ms"] = self.timer(unfused)[0]
-        want = ctx.cross.topk[r].clone()
         row["idx_fused_ms"] = self.timer(lambda: fused_logits_topk(layer, st))[0]
-        got = ctx.cross.topk[r]
-        row["fused_rows_identical"] = float((got == want).all(1).float().mean())
         if self.sweep:
             row["idx_fused_sweep"] = self.sweep_fused(ctx, layer, st)
         if self.peer:
@@ -493,6 +496,7 @@ class Run:
                         self.timer(lambda ex=ex, lay=layer: lay.forward(x, ctx, ex))[0]
                         for ex in self.executors.values()
                     )
+                    layer.forward(x, ctx)  # eager records for the later layers
                 row.update(rank_ms=best, cp1_ms=cp1[i], ideal_ms=cp1[i] / n)
                 row["rank_over_ideal"] = best / row["ideal_ms"]
                 row["replicated"] = _replicated(layer)
