@@ -13,6 +13,7 @@ from dsv4cp.ops.indexer import (
     topk_among_blocks,
     topk_indices,
 )
+from dsv4cp.ops.indexer_topk import mqa_topk, mqa_topk_among_blocks, mqa_topk_candidates
 from dsv4cp.ops.linear import fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
@@ -36,6 +37,9 @@ __all__ = [
     "indexer_weights",
     "linear_fp32",
     "mqa_logits",
+    "mqa_topk",
+    "mqa_topk_among_blocks",
+    "mqa_topk_candidates",
     "pair_pool",
     "rms_norm",
     "rope_cos_sin",
