@@ -53,6 +53,14 @@ def bench_config() -> DeepseekV41Config:
         index_source_layer_ids=(1, 3, 5),
         candidate_source_layer_id=3,
         vocab_size=4096,
+        # the attention benchmark model of docs/performance.md §3: dense SwiGLU FFN, one residual
+        # stream, no Engram, no DSpark layers
+        num_nextn_predict_layers=0,
+        n_routed_experts=0,
+        hc_mult=1,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
+        dspark_target_layer_ids=(),
         quantization=None,  # dense bf16 weights, random (fp8 storage needs a checkpoint)
     )
 

@@ -34,10 +34,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reported(e: Exception, command: str) -> int | None:
+    """The exit status for an error shown as its message alone (no traceback), else None.
+
+    Input errors (`UsageError`, side streams that cannot be had) exit 2; a CP run that failed
+    (a rank died, hung or raised; a collective failed) exits 1 with the launcher's summary (the
+    ranks' tracebacks too with DSV4CP_DEBUG_CP=1)."""
+    from dsv4cp.commands.common import UsageError
+    from dsv4cp.cp.group import CPCommError
+    from dsv4cp.cp.guard import debug_cp_enabled
+    from dsv4cp.cp.launch import CPLaunchError
+    from dsv4cp.side_streams import SideStreamError
+
+    if isinstance(e, (UsageError, SideStreamError)):
+        print(f"dsv4cp {command}: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, CPLaunchError):
+        text = str(e) if debug_cp_enabled() else e.summary()
+        print(f"dsv4cp {command}: {text}", file=sys.stderr)
+        return 1
+    if isinstance(e, CPCommError):
+        print(f"dsv4cp {command}: {e}", file=sys.stderr)
+        return 1
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; its exit status. Input errors print one line and return 2."""
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        status = _reported(e, args.command)
+        if status is None:
+            raise
+        return status

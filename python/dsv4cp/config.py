@@ -187,6 +187,12 @@ class DeepseekV41Config:
         self._check_vision()
 
     def _check_candidates(self) -> None:
+        if self.index_topk > self.max_position_embeddings:  # more than a context has entries
+            raise bad_field(
+                "index_topk",
+                f"index_topk={self.index_topk} is larger than max_position_embeddings="
+                f"{self.max_position_embeddings}",
+            )
         if self.candidate_source_layer_id < 0:
             return
         if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
@@ -288,7 +294,14 @@ class DeepseekV41Config:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path}")
             with open(path) as f:
-                raw = json.load(f)
+                try:
+                    raw = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"DeepseekV41Config: config.json must hold a JSON object, got {type(raw).__name__}"
+            )
         text = raw.get("text_config")
         cfg = dict(text) if isinstance(text, dict) else dict(raw)
         fields = [f for f in dataclasses.fields(cls) if "rule" in f.metadata]

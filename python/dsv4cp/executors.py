@@ -36,6 +36,7 @@ from dsv4cp.schedule import (
     Schedule,
     ScheduleError,
 )
+from dsv4cp.side_streams import side_stream
 
 __all__ = [
     "SERIAL",
@@ -86,11 +87,12 @@ SERIAL = SerialExecutor()
 
 
 class StreamPool:
-    """Side streams, created once (before any capture), one per lane name."""
+    """Side streams, created once (before any capture), one per lane name; no other live owner
+    in this process (another fake CP rank, a graph's capture) holds them (`side_streams`)."""
 
     def __init__(self, lanes: Iterable[str], device: torch.device) -> None:
         self.device = device
-        self.streams = {lane: torch.cuda.Stream(device=device) for lane in lanes if lane != DEFAULT}
+        self.streams = {lane: side_stream(device) for lane in lanes if lane != DEFAULT}
 
     def get(self, lane: str) -> torch.cuda.Stream:
         if lane == DEFAULT:

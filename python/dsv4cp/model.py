@@ -26,6 +26,7 @@ from dsv4cp.executors import SERIAL, SERIAL_ONLY, Executor, LayerExecutors
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
+from dsv4cp.ops.finite import check_finite, finite_check_requested
 from dsv4cp.schedule import lanes_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -60,6 +61,10 @@ def init_random_(
             v = val.view(h, dim, -1)
             v[1::2] = -v[0::2][: h // 2]
         t.copy_(val.to(t.dtype))
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class SwiGLU(nn.Module):
@@ -125,6 +130,8 @@ class DeepseekV41Model(nn.Module):
         self.norm = nn.Parameter(torch.empty(d, dtype=dtype, device=device), requires_grad=False)
         self.head = nn.Parameter(torch.empty(v, d, dtype=dtype, device=device), requires_grad=False)
         self.layer_hook: LayerHook | None = None
+        # DSV4CP_CHECK_FINITE=1: every layer's output is checked on the host (debugging).
+        self.check_finite = finite_check_requested()
         if seed is not None:
             self.init_random(seed)
 
@@ -172,13 +179,17 @@ class DeepseekV41Model(nn.Module):
                 f"checkpoint mismatch: missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
                 f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
             )
+        staged = {}
         for name, t in tensors.items():
             if name not in mine:
                 continue
             dst = mine[name]
             if tuple(dst.shape) != tuple(t.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != {tuple(dst.shape)}")
-            dst.copy_(t.to(dtype=dst.dtype, device=dst.device))
+            staged[name] = t.to(dtype=dst.dtype, device=dst.device)
+            check_finite(staged[name], f"checkpoint tensor {name!r}")
+        for name, value in staged.items():  # written only once every tensor passed
+            mine[name].copy_(value)
 
     @classmethod
     def from_pretrained(
@@ -221,6 +232,10 @@ class DeepseekV41Model(nn.Module):
         """Local rows through every decoder layer (no final norm)."""
         for layer in self.blocks:
             h = layer(h, ctx, executors.for_role(layer.attn.role))
+            if self.check_finite and not _capturing(h):
+                check_finite(
+                    h, f"hidden rows after layer {layer.attn.layer}", row_ids=ctx.local_ids
+                )
             if self.layer_hook is not None:
                 self.layer_hook(f"layer{layer.attn.layer}", h, ctx)
         return h

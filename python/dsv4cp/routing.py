@@ -41,7 +41,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits": (ops.mqa_logits, "dsv4cp.kernels.indexer_logits"),
     "mqa_logits_cached": (ops.mqa_logits_cached, "dsv4cp.kernels.indexer_logits_cached"),
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
-    "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.attention"),
+    # FlashMLA's sparse prefill where installed and the shape fits, else kernels.attention.
+    "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.attention"),
     "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
     "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
@@ -52,6 +53,15 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.norm_rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
 }
+
+# The indexer's logits fused with their selections (issue 15): the logits never reach memory.
+ROUTES.update(
+    {
+        "mqa_topk": (ops.mqa_topk, "dsv4cp.kernels.indexer_topk"),
+        "mqa_topk_candidates": (ops.mqa_topk_candidates, "dsv4cp.kernels.indexer_topk"),
+        "mqa_topk_among_blocks": (ops.mqa_topk_among_blocks, "dsv4cp.kernels.indexer_topk"),
+    }
+)
 
 
 def kernel_backend_requested() -> bool:
@@ -97,6 +107,9 @@ compressed_key = _route("compressed_key")
 index_key = _route("index_key")
 rope_index_queries = _route("rope_index_queries")
 fp8_linear = _route("fp8_linear")
+mqa_topk = _route("mqa_topk")
+mqa_topk_candidates = _route("mqa_topk_candidates")
+mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
 
 __all__ = [
     "ENV_FLAG",
@@ -115,6 +128,9 @@ __all__ = [
     "linear_fp32",
     "mqa_logits",
     "mqa_logits_cached",
+    "mqa_topk",
+    "mqa_topk_among_blocks",
+    "mqa_topk_candidates",
     "pair_pool",
     "rms_norm",
     "rope_index_queries",

@@ -8,6 +8,7 @@ replicated, so each rank's runner owns a full cache.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -199,7 +200,15 @@ class PrefillRunner:
 
     # ------------------------------------------------------------------ decode
     def decode(self, last_tokens: Mapping[object, int]) -> PrefillOutput:
-        """One greedy step: an extend of one token per request."""
+        """One greedy step: an extend of one token per live request. An id that is not live
+        (never prefilled, or released) is a ValueError: prefill starts requests, decode continues
+        them."""
+        unknown = [rid for rid in last_tokens if rid not in self.alloc.requests]
+        if unknown:
+            raise ValueError(
+                f"decode: request {unknown[0]!r} is not live (start it with prefill; a released "
+                "request is gone)"
+            )
         return self.prefill({rid: [tok] for rid, tok in last_tokens.items()})
 
     def generate(
@@ -209,15 +218,48 @@ class PrefillRunner:
         *,
         rids: Sequence[object] | None = None,
     ) -> list[list[int]]:
-        """Greedy generation: prefill every prompt in one batch, then decode step by step."""
-        rids = list(rids) if rids is not None else [f"gen{i}" for i in range(len(prompts))]
-        out = self.prefill(list(zip(rids, prompts)))
-        tokens = [[int(t)] for t in out.logits.argmax(-1).tolist()]
-        for _ in range(max_new_tokens - 1):
-            out = self.decode({rid: toks[-1] for rid, toks in zip(rids, tokens)})
-            for toks, t in zip(tokens, out.logits.argmax(-1).tolist()):
-                toks.append(int(t))
+        """Greedy generation: prefill every prompt in one batch, then decode step by step.
+
+        Every prompt is a new request: `rids` (default: `gen<i>` ids that are not live) must not
+        be live, and every request is released when generate returns or raises, so a later call
+        never continues a stale one. `max_new_tokens` 0 returns [] per prompt (the prompts are
+        still checked; nothing runs), a negative count is a ValueError."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        rids = self._generate_rids(len(prompts), rids)
+        items = self._token_lists(list(zip(rids, prompts)))
+        if max_new_tokens == 0:
+            return [[] for _ in items]
+        try:
+            out = self.prefill(items)
+            tokens = [[int(t)] for t in out.logits.argmax(-1).tolist()]
+            for _ in range(max_new_tokens - 1):
+                out = self.decode({rid: toks[-1] for rid, toks in zip(rids, tokens)})
+                for toks, t in zip(tokens, out.logits.argmax(-1).tolist()):
+                    toks.append(int(t))
+        finally:
+            for rid in rids:
+                if rid in self.alloc.requests:
+                    self.release(rid)
         return tokens
+
+    def _generate_rids(self, n: int, rids: Sequence[object] | None) -> list[object]:
+        live = self.alloc.requests
+        if rids is None:
+            fresh = (f"gen{i}" for i in itertools.count())
+            return list(itertools.islice((r for r in fresh if r not in live), n))
+        out = list(rids)
+        if len(out) != n:
+            raise ValueError(f"generate: {len(out)} rids for {n} prompts")
+        busy = [r for r in out if r in live]
+        if busy:
+            raise ValueError(
+                f"generate: request {busy[0]!r} is live; generate starts new requests (release "
+                "it, or continue it with decode)"
+            )
+        return out
 
     def release(self, rid: object) -> None:
         self.alloc.free(rid)

@@ -44,3 +44,14 @@ def edit_index(root: Path, edit: Callable[[dict], None]) -> None:
 def truncate(shard: Path, drop: int) -> None:
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - drop])
+
+
+def overwrite_element(shard: Path, name: str, element: int, raw: bytes) -> None:
+    """Write `raw` (one element's bytes, e.g. a NaN pattern) over element `element` (row-major)
+    of tensor `name` in `shard`."""
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    begin = 8 + n + json.loads(data[8 : 8 + n])[name]["data_offsets"][0]
+    at = begin + element * len(raw)
+    data[at : at + len(raw)] = raw
+    shard.write_bytes(bytes(data))

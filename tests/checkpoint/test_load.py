@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.checkpoint.corrupt import (
     copy_checkpoint,
     edit_header,
     edit_index,
+    overwrite_element,
     shard_of,
     truncate,
 )
@@ -108,7 +110,38 @@ def _missing_shard(root: Path) -> None:
     shard_of(root, WO_A).unlink()
 
 
+def _poke(name: str, element: int, raw: bytes) -> Callable[[Path], None]:
+    return lambda root: overwrite_element(shard_of(root, name), name, element, raw)
+
+
+BF16_NAN, BF16_NEG_INF, F32_INF = b"\xc0\x7f", b"\x80\xff", struct.pack("<f", float("inf"))
+E4M3_NAN, E8M0_NAN = b"\x7f", b"\xff"
 CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "NaN in a bf16 tensor": (
+        _poke("head.weight", 130, BF16_NAN),
+        r"model-00002-of-00003\.safetensors: tensor 'head\.weight' holds a non-finite value nan "
+        r"at index \[1, 2\] \(1 of 32768 elements",
+    ),
+    "-inf in a bf16 norm": (
+        _poke("layers.0.attn.kv_norm.weight", 5, BF16_NEG_INF),
+        r"'layers\.0\.attn\.kv_norm\.weight' holds a non-finite value -inf at index \[5\]",
+    ),
+    "inf in an fp32 sink": (
+        _poke("layers.0.attn.attn_sink", 3, F32_INF),
+        r"'layers\.0\.attn\.attn_sink' holds a non-finite value inf at index \[3\]",
+    ),
+    "NaN code in a kept fp8 weight": (
+        _poke("layers.0.attn.wq_a.weight", 0, E4M3_NAN),
+        r"'layers\.0\.attn\.wq_a\.weight' holds a non-finite value nan at index \[0, 0\]",
+    ),
+    "NaN scale of a kept fp8 weight": (
+        _poke("layers.0.attn.wq_a.scale", 1, E8M0_NAN),
+        r"'layers\.0\.attn\.wq_a\.scale' holds a non-finite value nan at index \[0, 1\]",
+    ),
+    "NaN scale of a dequantized weight": (
+        _poke("layers.0.attn.wo_a.scale", 0, E8M0_NAN),
+        r"'layers\.0\.attn\.wo_a\.weight' holds a non-finite value nan at index \[0, 0\]",
+    ),
     "missing tensor": (_drop_tensor, r"'layers\.0\.attn\.attn_sink' is not in the checkpoint"),
     "missing scale": (_drop_scale, r"wq_a\.weight' has no scale 'layers\.0\.attn\.wq_a\.scale'"),
     "truncated shard": (_truncate_shard, r"model-00001-of-00003\.safetensors: truncated"),
@@ -129,3 +162,12 @@ def test_nothing_is_written_when_any_tensor_is_bad(tmp_path: Path, case: str) ->
         load_into(params, r, NAMES, dequantize={WO_A})
     for key, value in params.items():
         assert torch.equal(bits(value), before[key]), key
+
+
+def test_check_finite_can_be_turned_off(tmp_path: Path) -> None:
+    root = copy_checkpoint(tmp_path / "ckpt")
+    _poke("head.weight", 130, BF16_NAN)(root)
+    params = make_params()
+    with CheckpointReader(root) as r:
+        load_into(params, r, NAMES, dequantize={WO_A}, check_finite=False)
+    assert torch.isnan(params["head"][1, 2]) and int(torch.isnan(params["head"]).sum()) == 1

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from multiprocessing.context import SpawnProcess
+from pathlib import Path
 
 import pytest
 import torch
 
-from dsv4cp.cp import CPLaunchError, TorchDistCPGroup, spawn_ranks
+from dsv4cp.cp import CPLaunchError, FakeCPWorld, TorchDistCPGroup, run_cp, spawn_ranks
+from dsv4cp.cp.limits import FAKE_MAX_RANKS, GLOO_RANKS_PER_CPU
 
 # Startup of a spawned rank (interpreter + torch import) on a loaded 2-core machine.
 STARTUP_SLACK_S = 20.0
@@ -111,3 +115,64 @@ def test_bad_launch_arguments() -> None:
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="GPUs"):
             spawn_ranks(64, _sleep_forever, backend="nccl")
+
+
+def _stop_rank1(group: TorchDistCPGroup, folder: str) -> None:
+    group.all_gather(torch.zeros(1), tag="layer0/x")
+    if group.rank == 1:
+        Path(folder, "stopped_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # hangs: never issues the next collective
+    group.all_gather(torch.zeros(1), tag="layer1/x")
+
+
+def test_stopped_rank_is_reported_at_the_timeout(tmp_path: Path) -> None:
+    timeout = 4.0
+    with pytest.raises(CPLaunchError) as info:
+        spawn_ranks(3, _stop_rank1, (str(tmp_path),), timeout_s=timeout)
+    after_stop = time.time() - float((tmp_path / "stopped_at").read_text())
+    err = info.value
+    # The survivors' collective times out at `timeout`; the launcher adds no grace of its own
+    # for a stopped rank (it used to add 5 s): a little slack for reporting on a loaded machine.
+    assert after_stop < timeout + 1.5, after_stop
+    assert err.rank == 1, str(err)
+    assert err.failures[1].startswith("hung: stopped"), err.failures[1]
+    for r in (0, 2):
+        assert err.failures[r].startswith("raised CPTimeoutError"), err.failures[r]
+        assert "layer1/x" in err.failures[r]
+    assert str(err).splitlines()[0].endswith(err.failures[1])
+
+
+def _sleep_then_return(group: TorchDistCPGroup) -> int:
+    time.sleep(1.0)
+    return group.rank
+
+
+def test_rank_start_failure_is_not_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = SpawnProcess.start
+    calls = []
+
+    def start(self: SpawnProcess) -> None:
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable (injected)")
+        original(self)
+
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    with pytest.raises(BlockingIOError, match="injected"):
+        spawn_ranks(3, _sleep_then_return, timeout_s=10)
+    assert len(calls) == 2  # the third rank was never started; the first one was stopped
+
+
+def test_cp_size_bounded_by_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = os.cpu_count() or 1
+    with pytest.raises(ValueError, match=r"at most \d+.*per CPU core"):
+        spawn_ranks(GLOO_RANKS_PER_CPU * cpus + 1, _sleep_forever)
+    with pytest.raises(ValueError, match=f"at most {FAKE_MAX_RANKS}.*thread"):
+        run_cp(FAKE_MAX_RANKS + 1, _sleep_then_return, backend="fake")
+    monkeypatch.setenv("DSV4CP_MAX_CP_RANKS", "3")
+    with pytest.raises(ValueError, match="DSV4CP_MAX_CP_RANKS=3"):
+        FakeCPWorld(4)
+    assert FakeCPWorld(3).cp_size == 3
+    monkeypatch.setenv("DSV4CP_MAX_CP_RANKS", "many")
+    with pytest.raises(ValueError, match="DSV4CP_MAX_CP_RANKS must be a positive integer"):
+        run_cp(2, _sleep_then_return, backend="gloo")

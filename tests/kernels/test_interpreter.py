@@ -33,6 +33,7 @@ FAST = [
     "attention_fp32",
     "attention_bf16_with_invalid",
     "attention_all_invalid_rows",
+    "attention_nan_like_the_twin",
     "swa_key_and_store",
     "compressor_ratio2",
     "compressor_ratio1_and_index_key",
@@ -261,6 +262,20 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         out = launch_sparse_attention(q, kv, idx, sink_off, 0.1, config=(16, 4, 1))
         assert torch.all(out[0] == 0)
         assert torch.allclose(out[1], kv[4].expand(h, d))
+
+    def attention_nan_like_the_twin():
+        torch.manual_seed(12)
+        t, h, d, n = 6, 4, 32, 20
+        q, kv, sink = torch.randn(t, h, d), torch.randn(n, d), torch.randn(h)
+        idx = torch.randint(0, n, (t, 9))
+        idx[3] = -1  # no visible key: 0 (finite sink)
+        q[0, 2, 5] = float("nan")
+        kv[int(idx[4, 0])] = float("nan")  # every token that sees this key: all heads
+        ref = ops.sparse_attention(q, kv, idx, sink, 0.2)
+        out = launch_sparse_attention(q, kv, idx, sink, 0.2, config=(16, 4, 1))
+        assert torch.equal(out.isnan(), ref.isnan()) and bool(ref.isnan().any())
+        fin = ~ref.isnan()
+        assert rel(out[fin], ref[fin]) < 1e-5 and torch.equal(out[3], torch.zeros(h, d))
 
     def attention_real_dims():
         torch.manual_seed(11)

@@ -96,3 +96,32 @@ def test_bf16_inputs_return_bf16() -> None:
     assert got.dtype == torch.bfloat16
     want = loop_attention(q, kv, indices, sink, D**-0.5)
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_nan_propagates_instead_of_becoming_zero() -> None:
+    torch.manual_seed(11)
+    q, kv, sink = torch.randn(T, H, D), torch.randn(N, D), torch.tensor([0.3, -0.5, 1.2])
+    idx = torch.tensor(INDICES)
+    q[0, 1, 4] = float("nan")  # one head of token 0
+    kv[6, 0] = float("nan")  # a key only token 2 sees
+    out = sparse_attention(q, kv, idx, sink, D**-0.5)
+    nan_heads = out.isnan().all(-1)
+    want = torch.zeros(T, H, dtype=torch.bool)
+    want[0, 1] = True
+    want[2, :] = True
+    assert torch.equal(nan_heads, want)
+    assert torch.isfinite(out[~want]).all()  # and no partly-NaN head
+    clean = ~want
+    ref = loop_attention(q, kv, idx, sink, D**-0.5)
+    assert torch.allclose(out[clean].double(), ref[clean], atol=1e-6)
+    # a NaN sink reaches every token of its head; the no-key row 1 included
+    out = sparse_attention(q, kv.nan_to_num(), idx, torch.tensor([0.3, float("nan"), 1.2]), 1.0)
+    assert out[:, 1].isnan().all() and torch.isfinite(out[1:, 2]).all()
+
+
+def test_no_key_and_no_sink_gives_zero() -> None:
+    q, kv = torch.randn(T, H, D), torch.randn(N, D)
+    sink = torch.full((H,), float("-inf"))
+    out = sparse_attention(q, kv, torch.tensor(INDICES), sink, D**-0.5)
+    assert torch.equal(out[1], torch.zeros(H, D))  # row 1 has no valid index
+    assert torch.isfinite(out).all()

@@ -12,6 +12,7 @@ from dsv4cp.checkpoint.formats import QUANTIZED_KINDS, scale_name, tensor_kind
 from dsv4cp.checkpoint.header import safetensors_dtype
 from dsv4cp.checkpoint.reader import CheckpointReader
 from dsv4cp.checkpoint.validate import check_dtype, check_quantized_weight
+from dsv4cp.ops.finite import first_non_finite
 from dsv4cp.ops.linear import dequant_fp8_blocks
 
 
@@ -22,6 +23,7 @@ def load_into(
     *,
     dequantize: Collection[str] = (),
     strict: bool = True,
+    check_finite: bool = True,
 ) -> None:
     """Copy checkpoint tensors into `params` (e.g. dict(module.state_dict(keep_vars=True))).
 
@@ -29,8 +31,11 @@ def load_into(
     must have the param's shape and dtype exactly, and pass the dtype / scale checks of its kind.
     Checkpoint names in `dequantize` (fp8 weights, e.g. `wo_a`) are dequantized with their
     `.scale` and rounded to the param's dtype, as DeepSeek's converter does. With `strict`, every
-    key of `params` must be loaded. Everything is read into new tensors first; the params are
-    only written once all of them passed, so on any CheckpointError none was changed.
+    key of `params` must be loaded. With `check_finite` (default), a floating-point tensor
+    holding NaN or inf (after dequantization, for those in `dequantize`) is a CheckpointError
+    naming the tensor, the file and the first bad element. Everything is read into new tensors
+    first; the params are only written once all of them passed, so on any CheckpointError none
+    was changed.
     Staging holds a copy of everything loaded: call it per layer for a large model.
     """
     mapping = dict(names) if isinstance(names, Mapping) else {n: n for n in names}
@@ -41,14 +46,17 @@ def load_into(
     if strict and missing:
         raise ValueError(f"load_into: parameters with no checkpoint name: {missing[:10]}")
     staged = {
-        key: _read(reader, name, params[key], name in dequantize) for key, name in mapping.items()
+        key: _read(reader, name, params[key], name in dequantize, check_finite)
+        for key, name in mapping.items()
     }
     with torch.no_grad():
         for key, value in staged.items():
             params[key].copy_(value)
 
 
-def _read(reader: CheckpointReader, name: str, param: Tensor, dequant: bool) -> Tensor:
+def _read(
+    reader: CheckpointReader, name: str, param: Tensor, dequant: bool, check_finite: bool
+) -> Tensor:
     spec = reader.spec(name)
     if dequant:
         check_quantized_weight(reader, name, "fp8")
@@ -69,5 +77,12 @@ def _read(reader: CheckpointReader, name: str, param: Tensor, dequant: bool) -> 
         raise CheckpointError(
             f"{spec.file}: tensor {name!r} has shape {list(value.shape)}, the model holds "
             f"{list(param.shape)}"
+        )
+    bad = first_non_finite(value) if check_finite else None
+    if bad is not None:
+        index, v, count = bad
+        raise CheckpointError(
+            f"{spec.file}: tensor {name!r} holds a non-finite value {v} at index {list(index)} "
+            f"({count} of {value.numel()} elements are NaN or inf)"
         )
     return value

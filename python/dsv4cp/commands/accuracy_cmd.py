@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
-from dsv4cp.commands.common import positive_int
-
-
-def _float(minimum: float, *, strict: bool) -> object:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(v) or v < minimum or (strict and v == minimum):
-            rel = ">" if strict else ">="
-            raise argparse.ArgumentTypeError(f"expected a finite number {rel} {minimum}, got {v}")
-        return v
-
-    return parse
+from dsv4cp.commands.common import finite_float, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -38,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top-logprobs", type=positive_int, default=5, help="top-k logprobs compared")
     p.add_argument(
         "--atol",
-        type=_float(0.0, strict=False),
+        type=finite_float(0.0, strict=False),
         default=1e-3,
         help="runner comparison: max |Δ logprob| (default %(default)s)",
     )
@@ -47,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="reference dtype (CPU)"
     )
     p.add_argument(
-        "--timeout", type=_float(0.0, strict=True), default=300.0, help="seconds per request"
+        "--timeout", type=finite_float(0.0, strict=True), default=300.0, help="seconds per request"
     )
     p.add_argument(
         "--reference",
@@ -62,19 +47,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ref-min-top1",
-        type=_float(0.0, strict=False),
+        type=finite_float(0.0, strict=False),
         default=0.9,
         help="reference: min fraction of prompt positions with the same top-1",
     )
     p.add_argument(
         "--ref-max-rms",
-        type=_float(0.0, strict=False),
+        type=finite_float(0.0, strict=False),
         default=0.05,
         help="reference: max rms of (server - reference) logprobs, nats",
     )
     p.add_argument(
         "--ref-tie",
-        type=_float(0.0, strict=False),
+        type=finite_float(0.0, strict=False),
         default=0.05,
         help="reference: logprob gap (nats) under which two tokens are a tie",
     )

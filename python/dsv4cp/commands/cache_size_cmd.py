@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
+
+from dsv4cp.commands.common import UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SUFFIX = {"k": 1 << 10, "m": 1 << 20}
@@ -45,7 +46,7 @@ def _count(text: str, what: str) -> int:
     mult = _SUFFIX.get(t[-1:], 1)
     digits = t[:-1] if mult > 1 else t
     if not digits.isdigit():
-        raise ValueError(
+        raise UsageError(
             f"{what} must be a non-negative integer (K/M suffix allowed), got {text!r}"
         )
     return int(digits) * mult
@@ -62,19 +63,18 @@ def _config(name: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.cache import cache_bytes
 
+    tokens = _count(args.tokens, "--tokens")
+    page = _count(args.page_size, "--page-size")
+    if page < 1:
+        raise UsageError(f"--page-size must be >= 1, got {page}")
+    if args.quant not in ("qat", "none"):
+        raise UsageError(f"--quant must be qat or none, got {args.quant!r}")
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
     try:
-        tokens = _count(args.tokens, "--tokens")
-        page = _count(args.page_size, "--page-size")
-        if page < 1:
-            raise ValueError(f"--page-size must be >= 1, got {page}")
-        if args.quant not in ("qat", "none"):
-            raise ValueError(f"--quant must be qat or none, got {args.quant!r}")
-        if args.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
         config = _config(args.config)
     except (ValueError, OSError) as e:
-        print(f"dsv4cp cache-size: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     plan = cache_bytes(
         config,
         tokens,

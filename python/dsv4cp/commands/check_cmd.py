@@ -8,13 +8,24 @@ import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
+from dsv4cp.commands.common import (
+    UsageError,
+    add_cp_args,
+    check_cp_args,
+    check_cpu_size,
+    check_fake_side_streams,
+    finite_float,
+    int_list,
+    positive_int_list,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model")
     add_cp_args(p)
-    p.add_argument("--lens", type=int_list, default=(7, 130), help="prompt lengths, e.g. 7,130")
+    p.add_argument(
+        "--lens", type=positive_int_list, default=(7, 130), help="prompt lengths, e.g. 7,130"
+    )
     p.add_argument(
         "--prefix",
         type=int_list,
@@ -22,7 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="cached prefix per prompt (prefilled first), e.g. 0,5",
     )
     p.add_argument("--chunk", type=int, default=0, help="chunked-prefill size (0 = one chunk)")
-    p.add_argument("--tol", type=float, default=1e-5, help="relative tolerance (fp32)")
+    p.add_argument(
+        "--tol",
+        type=finite_float(0.0, strict=False),
+        default=1e-5,
+        help="relative tolerance (fp32), a finite number >= 0",
+    )
     p.add_argument(
         "--multistream",
         action="store_true",
@@ -45,11 +61,10 @@ def run(args: argparse.Namespace) -> int:
             lens=args.lens, prefix=args.prefix, chunk=args.chunk, seed=args.seed, device=args.device
         )
     except ValueError as e:
-        print(f"dsv4cp check: {e}", file=sys.stderr)
-        return 2
-    if not cuda_only_flags_ok(args, "check"):
-        return 2
-    backend = cp_backend(args)
+        raise UsageError(str(e)) from None
+    backend = check_cp_args(args)
+    check_fake_side_streams(args, backend)
+    check_cpu_size(args, base.lens)
     log = sys.stderr if args.json else sys.stdout
     print(
         f"[1/2] CP=1 reference: lens={list(base.lens)} prefix={list(base.prefix)} "

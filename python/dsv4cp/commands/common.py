@@ -1,20 +1,49 @@
-"""Argument helpers shared by the subcommands."""
+"""Argument parsing and checking shared by the subcommands.
+
+Every input error is a `UsageError` (or an argparse error): `cli.main` prints it as one line,
+`dsv4cp <command>: <message>`, and exits 2, never with a traceback. The checks run before any
+work starts: devices that are absent, CP sizes a backend cannot run, sizes too large for the CPU
+reference, outputs that cannot be written.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+SEED_LIMIT = 2**32  # seeds are in [0, 2**32)
+# The CPU reference is O(n^2) per prompt of n tokens (the indexer scores every earlier entry):
+# 8192^2 is one 8k-token prompt, about 12 s per pass on 2 cores; 16k tokens take about 45 s.
+CPU_SIZE_LIMIT = 8192**2
+
+
+class UsageError(ValueError):
+    """A command-line input error: printed as one line and exit status 2."""
 
 
 def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers; an empty item (`5,,7`, `5,`) is an error, not skipped."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    items = text.split(",")
+    if any(not v.strip() for v in items):
+        raise argparse.ArgumentTypeError(f"empty item in {text!r}")
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(int(v) for v in items)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    values = int_list(text)
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {bad[0]} in {text!r}")
     return values
 
 
@@ -26,6 +55,32 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def seed_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= v < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {v}")
+    return v
+
+
+def finite_float(minimum: float, *, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number >= minimum (> minimum when `strict`)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < minimum or (strict and v == minimum):
+            rel = ">" if strict else ">="
+            raise argparse.ArgumentTypeError(f"expected a finite number {rel} {minimum}, got {v}")
+        return v
+
+    return parse
 
 
 def add_cp_args(p: argparse.ArgumentParser, default_cp: int = 2) -> None:
@@ -40,29 +95,97 @@ def add_cp_args(p: argparse.ArgumentParser, default_cp: int = 2) -> None:
         "per rank) or fake (every rank as a thread of this process)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="in [0, 2**32) (default 0)")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=finite_float(0.0, strict=True),
         default=60.0,
-        help="seconds a rank waits for the others in a collective",
+        help="seconds a rank waits for the others in a collective (default 60; see docs/cp.md)",
     )
     p.add_argument(
         "--debug-cp",
         action="store_true",
         help="check that every rank issues the same collectives in the same order",
     )
+    add_size_arg(p)
+
+
+def add_size_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-large",
+        action="store_true",
+        help="run prompts larger than the CPU size limit anyway (minutes to hours)",
+    )
 
 
 def cp_backend(args: argparse.Namespace) -> str:
     if args.cp_backend:
-        return args.cp_backend
+        return str(args.cp_backend)
     return "nccl" if args.device == "cuda" else "gloo"
 
 
-def cuda_only_flags_ok(args: argparse.Namespace, command: str) -> bool:
-    """--multistream and --graphs need --device cuda; prints why and returns False otherwise."""
-    if (args.multistream or args.graphs) and args.device != "cuda":
-        print(f"dsv4cp {command}: --multistream and --graphs need --device cuda", file=sys.stderr)
-        return False
-    return True
+def check_device(args: argparse.Namespace) -> None:
+    """--device cuda needs a GPU; --multistream and --graphs need --device cuda."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available")
+    elif getattr(args, "multistream", False) or getattr(args, "graphs", False):
+        raise UsageError("--multistream and --graphs need --device cuda")
+
+
+def check_cp_args(args: argparse.Namespace) -> str:
+    """The device, and the CP size against what the backend can run here; returns the backend."""
+    from dsv4cp.cp.limits import check_cp_limit
+
+    check_device(args)
+    backend = cp_backend(args)
+    if backend == "nccl" and args.device != "cuda":
+        raise UsageError("--cp-backend nccl needs --device cuda")
+    if args.cp > 1:
+        try:
+            check_cp_limit(args.cp, backend, who="--cp")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return backend
+
+
+def check_cpu_size(args: argparse.Namespace, lens: Sequence[int]) -> None:
+    """Refuse prompts whose CPU reference would run for many minutes, unless --allow-large."""
+    cost = sum(n * n for n in lens)
+    if args.device == "cpu" and cost > CPU_SIZE_LIMIT and not args.allow_large:
+        raise UsageError(
+            f"--lens {','.join(map(str, lens))} is too large for the CPU reference: its cost "
+            f"grows as the sum of squared prompt lengths ({cost:.3g} > {CPU_SIZE_LIMIT:.3g}, one "
+            "8192-token prompt, about 12 s per pass on 2 cores); use --device cuda, shorter "
+            "prompts, or --allow-large"
+        )
+
+
+def output_dir(path: str) -> Path:
+    """`path` as a directory this process can write (created if missing), else a UsageError."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{path}: exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: the directory is not writable")
+    return p
+
+
+def check_fake_side_streams(args: argparse.Namespace, backend: str) -> None:
+    """Fake CP on CUDA: every rank (a thread) holds its own side streams, one per multistream
+    lane and one to capture graphs; refuse up front when they cannot all be had."""
+    if args.device != "cuda" or backend != "fake" or not args.multistream:
+        return
+    from dsv4cp.config import DeepseekV41Config
+    from dsv4cp.model import DeepseekV41Model
+    from dsv4cp.side_streams import check_side_streams
+
+    lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
+    per_rank = lanes + (1 if args.graphs else 0)
+    check_side_streams(args.cp * per_rank, f"--cp {args.cp} (fake) with --multistream")

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
+from dsv4cp.commands.common import (
+    UsageError,
+    add_cp_args,
+    check_cp_args,
+    check_cpu_size,
+    check_fake_side_streams,
+    int_list,
+    positive_int_list,
+)
+
+DEFAULT_LENS, DEFAULT_PREFIX = (96, 300), (0, 40)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="CP prefill of the tiny model: agreement and stage times")
     add_cp_args(p)
-    p.add_argument("--lens", type=int_list, default=(96, 300), help="prompt lengths")
-    p.add_argument("--prefix", type=int_list, default=(0, 40), help="cached prefix per prompt")
+    p.add_argument("--lens", type=positive_int_list, default=DEFAULT_LENS, help="prompt lengths")
+    p.add_argument(
+        "--prefix",
+        type=int_list,
+        default=None,
+        help="cached prefix per prompt (default 0,40 with the default --lens, else none)",
+    )
     p.add_argument("--chunk", type=int, default=128, help="chunked-prefill size (0 = one chunk)")
     p.add_argument("--multistream", action="store_true", help="CP=N with multistream (CUDA)")
     p.add_argument(
@@ -40,21 +54,23 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
 
     cfg = DeepseekV41Config.tiny()
+    prefix = args.prefix
+    if prefix is None:  # the default prefix belongs to the default lens
+        prefix = DEFAULT_PREFIX if tuple(args.lens) == DEFAULT_LENS else (0,)
     try:
         sc = Scenario(
             lens=args.lens,
-            prefix=args.prefix,
+            prefix=prefix,
             chunk=args.chunk,
             seed=args.seed,
             device=args.device,
             config=cfg,
         )
     except ValueError as e:
-        print(f"dsv4cp demo: {e}", file=sys.stderr)
-        return 2
-    backend = cp_backend(args)
-    if not cuda_only_flags_ok(args, "demo"):
-        return 2
+        raise UsageError(str(e)) from None
+    backend = check_cp_args(args)
+    check_fake_side_streams(args, backend)
+    check_cpu_size(args, sc.lens)
     if args.device == "cpu":
         # The CP ranks get cpu_count // cp threads each; give the CP=1 run the same, so the two
         # stage tables compare work, not thread counts.

@@ -5,20 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-from dsv4cp.commands.common import cuda_only_flags_ok, int_list
+from dsv4cp.commands.common import (
+    UsageError,
+    add_size_arg,
+    check_cpu_size,
+    check_device,
+    output_dir,
+    positive_int_list,
+    seed_int,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="trace a prefill of the tiny model; timeline PNG, overlap")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--lens", type=int_list, default=(256, 64), help="prompt lengths")
+    p.add_argument("--lens", type=positive_int_list, default=(256, 64), help="prompt lengths")
     p.add_argument("--multistream", action="store_true", help="multistream prepare (CUDA)")
     p.add_argument("--graphs", action="store_true", help="replay a breakable CUDA graph (CUDA)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", default="out/profile", help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="in [0, 2**32) (default 0)")
+    add_size_arg(p)
     return p
 
 
@@ -32,12 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.observe.timeline import overlap_fraction, plot_timeline
     from dsv4cp.runner import PrefillRunner
 
-    if not cuda_only_flags_ok(args, "profile"):
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("dsv4cp profile: no CUDA device", file=sys.stderr)
-        return 2
-    os.makedirs(args.out, exist_ok=True)
+    check_device(args)
+    check_cpu_size(args, args.lens)
+    output_dir(args.out)
+    for name in ("trace.json", "timeline.png", "summary.json"):
+        if os.path.isdir(os.path.join(args.out, name)):
+            raise UsageError(f"{os.path.join(args.out, name)}: is a directory, not a file")
     cfg = DeepseekV41Config.tiny()
     model = DeepseekV41Model(
         cfg, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed

@@ -28,6 +28,7 @@ from dsv4cp.cp.group import (
     check_timeout,
 )
 from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order
+from dsv4cp.cp.limits import check_cp_limit
 
 __all__ = ["FakeCPGroup", "FakeCPWorld", "run_ranks"]
 
@@ -76,7 +77,8 @@ class FakeCPWorld:
     waits at a shared barrier with `timeout_s`, checks every rank's record
     (shape and dtype always; tags too with `check_order`), then concatenates rank-major.
     A rank that raises (in `run_ranks`) or never arrives breaks the barrier, so the others fail
-    fast with `CPRankFailedError` / `CPTimeoutError` naming the tag, never hang.
+    fast with `CPRankFailedError` / `CPTimeoutError` naming the tag, never hang. `cp_size` is
+    bounded by `cp.limits` (one thread per rank).
 
     CUDA: after its deposit the producer records an event on its current stream; consumers make
     their current stream wait on that event (no host sync) and `record_stream` the borrowed
@@ -87,7 +89,9 @@ class FakeCPWorld:
     def __init__(
         self, cp_size: int, *, timeout_s: float = 60.0, check_order: bool | None = True
     ) -> None:
-        self.cp_size = check_cp_size(cp_size, who="FakeCPWorld")
+        self.cp_size = check_cp_limit(
+            check_cp_size(cp_size, who="FakeCPWorld"), "fake", who="FakeCPWorld"
+        )
         self.timeout_s = check_timeout(timeout_s)
         self.check_order = resolve_check_order(check_order)
         self.groups: tuple[FakeCPGroup, ...] = tuple(FakeCPGroup(self, r) for r in range(cp_size))

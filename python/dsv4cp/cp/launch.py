@@ -2,10 +2,14 @@
 
 `spawn_ranks(cp, fn, args)` runs fn(group, *args) in `cp` spawned processes and returns their
 results in rank order. The parent owns the rendezvous `TCPStore` (bound to a free localhost
-port by the OS, so there is no port race), watches the children, and when one dies or raises
-it collects the others' errors for `failure_grace_s`, kills whoever is left and raises
+port by the OS, so there is no port race) and one pipe per rank, which it reads as reports
+arrive (a rank never blocks on a result nobody reads: if the parent is gone its write fails and
+it exits). Ranks die with the parent (`cp/lifeline.py`). When a rank dies or raises, the parent
+collects the others' errors for `failure_grace_s` (at most `TIMEOUT_GRACE_S` after a collective
+timed out: the ranks that have not reported by then are hung), kills whoever is left and raises
 `CPLaunchError` naming every rank's fate. Nothing waits forever: the children's process group
-has `timeout=timedelta(seconds=timeout_s)`.
+has `timeout=timedelta(seconds=timeout_s)`. docs/cp.md, "Failure behaviour", says what a user
+sees.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import queue as queue_mod
 import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -28,19 +32,27 @@ import torch.multiprocessing as mp
 
 from dsv4cp.cp.dist import TorchDistCPGroup
 from dsv4cp.cp.fake import FakeCPWorld, run_ranks
-from dsv4cp.cp.group import CPCommError, SingleCPGroup, check_cp_size
+from dsv4cp.cp.group import CPCommError, CPTimeoutError, SingleCPGroup, check_cp_size
 from dsv4cp.cp.guard import resolve_check_order
+from dsv4cp.cp.lifeline import die_with_parent, process_state
+from dsv4cp.cp.limits import check_cp_limit
 
-__all__ = ["CPLaunchError", "run_cp", "spawn_ranks"]
+__all__ = ["TIMEOUT_GRACE_S", "CPLaunchError", "run_cp", "spawn_ranks"]
 
 _HOST = "127.0.0.1"
+_POLL_S = 0.05
+_STORE_MIN_TIMEOUT_S = 30.0  # the parent's store only connects to itself; nothing waits on it
+# After a collective timed out, every healthy rank times out in the same collective within the
+# skew of their arrival: a rank with no report this long after the first timeout is hung.
+TIMEOUT_GRACE_S = 1.0
 
 
 class CPLaunchError(RuntimeError):
-    """A spawned CP rank died, raised, or did not finish in time.
+    """A spawned CP rank died, hung, raised, or did not finish in time.
 
-    `rank`: the rank blamed first (one that died, else the first to raise on its own, else
-    the first whose collective failed, else one the launcher killed);
+    `rank`: the rank blamed first (one that died, else the first to raise on its own, else one
+    still silent after the others' collectives timed out, else the first whose collective
+    failed, else one the launcher killed);
     `failures`: rank → one-line description for every rank that did not return a result;
     `tracebacks`: rank → the traceback text a rank sent back."""
 
@@ -51,6 +63,10 @@ class CPLaunchError(RuntimeError):
         self.rank = rank
         self.failures = failures
         self.tracebacks = tracebacks
+
+    def summary(self) -> str:
+        """The message without the ranks' tracebacks."""
+        return str(self).split("\n--- traceback of rank", 1)[0]
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -73,10 +89,12 @@ def _rank_main(
     check_order: bool,
     fn: Callable[..., Any],
     args: tuple,
-    out: Any,
+    conn: Connection,
     env: dict[str, str],
     num_threads: int | None,
+    parent_pid: int,
 ) -> None:
+    die_with_parent(parent_pid)
     code = 0
     try:
         os.environ.update(env)
@@ -92,7 +110,7 @@ def _rank_main(
             backend, store=store, rank=rank, world_size=cp_size, timeout=td, **kw
         )
         group = TorchDistCPGroup(None, timeout_s=timeout_s, check_order=check_order)
-        payload = pickle.dumps(_to_cpu(fn(group, *args)))
+        report = pickle.dumps(("ok", rank, _to_cpu(fn(group, *args))))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         code = 1
         exc_bytes: bytes | None = None
@@ -103,21 +121,21 @@ def _rank_main(
         except Exception:
             pass
         secondary = isinstance(e, CPCommError)  # a collective failed: maybe a peer's fault
-        out.put(
-            ("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc(), exc_bytes, secondary)
-        )
-    else:
-        out.put(("ok", rank, payload))
+        timed_out = isinstance(e, CPTimeoutError)
+        text = f"{type(e).__name__}: {e}"
+        tb = traceback.format_exc()
+        report = pickle.dumps(("err", rank, text, tb, exc_bytes, secondary, timed_out))
+    # Blocks only while the parent reads; if the parent is gone the write fails at once.
+    with contextlib.suppress(OSError):
+        conn.send_bytes(report)
+        conn.close()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    # The report is sent: skip the interpreter teardown (about 2 s with torch loaded).
-    with contextlib.suppress(Exception):
-        out.close()
-        out.join_thread()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    # The report is sent: skip the interpreter teardown (about 2 s with torch loaded).
     os._exit(code)
 
 
@@ -150,19 +168,16 @@ def spawn_ranks(
     fn must be a picklable top-level function; results must be picklable (tensors come back
     on CPU). `timeout_s` is every collective's timeout (process group and TorchDistCPGroup).
     `check_order` None → on iff DSV4CP_DEBUG_CP=1. After the first failure the parent waits
-    at most `failure_grace_s` for the other ranks' reports, then kills them. `deadline_s`
-    bounds the whole run (None: no bound beyond the collective timeout). `env` is applied in
-    each child before the process group starts; `num_threads` (default cpu_count // cp_size)
-    is each child's torch thread count. NCCL needs one visible GPU per rank.
+    at most `failure_grace_s` (`TIMEOUT_GRACE_S` after a timeout) for the other ranks' reports,
+    then kills them. `deadline_s` bounds the whole run (None: no bound beyond the collective
+    timeout). `env` is applied in each child before the process group starts; `num_threads`
+    (default cpu_count // cp_size) is each child's torch thread count. cp_size is bounded by
+    `cp.limits` (NCCL: one visible GPU per rank). The ranks die with this process.
     """
     check_cp_size(cp_size, who="spawn_ranks")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"spawn_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < cp_size:
-        raise ValueError(
-            f"spawn_ranks: NCCL with cp_size {cp_size} needs {cp_size} GPUs, "
-            f"{torch.cuda.device_count()} visible"
-        )
+    check_cp_limit(cp_size, backend, who="spawn_ranks")
     if not timeout_s > 0:
         raise ValueError(f"spawn_ranks: timeout_s must be > 0, got {timeout_s!r}")
     args = tuple(args)
@@ -181,100 +196,132 @@ def spawn_ranks(
         num_threads = max(1, (os.cpu_count() or 1) // cp_size)
 
     ctx = mp.get_context("spawn")
-    results_q = ctx.Queue()
     store = dist.TCPStore(
         _HOST,
         0,
         cp_size,
         is_master=True,
         wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=max(timeout_s, _STORE_MIN_TIMEOUT_S)),  # its own connect
     )
     flag = resolve_check_order(check_order)
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                r,
-                cp_size,
-                store.port,
-                backend,
-                float(timeout_s),
-                flag,
-                fn,
-                args,
-                results_q,
-                dict(env or {}),
-                num_threads,
-            ),
-            name=f"dsv4cp-cp-rank{r}",
-            daemon=True,
-        )
-        for r in range(cp_size)
-    ]
+    started: list[Any] = []
+    readers: list[Connection] = []
     try:
-        for p in procs:
-            p.start()
-        reports = _collect(procs, results_q, failure_grace_s, deadline_s)
+        for r in range(cp_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            readers.append(reader)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(
+                    r,
+                    cp_size,
+                    store.port,
+                    backend,
+                    float(timeout_s),
+                    flag,
+                    fn,
+                    args,
+                    writer,
+                    dict(env or {}),
+                    num_threads,
+                    os.getpid(),
+                ),
+                name=f"dsv4cp-cp-rank{r}",
+                daemon=True,
+            )
+            try:
+                proc.start()
+            finally:
+                writer.close()  # the child holds its own end: EOF here means it is gone
+            started.append(proc)
+        reports = _collect(started, readers, failure_grace_s, deadline_s)
     finally:
-        stop = time.monotonic() + 2.0  # ranks that reported are only shutting down
-        for p in procs:
-            p.join(timeout=max(0.0, stop - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        results_q.close()
+        _stop(started)
+        for reader in readers:
+            reader.close()
         del store
     return _finish(reports, backend, cp_size, timeout_s)
 
 
+def _stop(procs: list[Any]) -> None:
+    """Join the started ranks (those that reported are only exiting), kill the rest."""
+    stop = time.monotonic() + 2.0
+    for p in procs:
+        p.join(timeout=max(0.0, stop - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def _receive(rank: int, conn: Connection, proc: Any) -> tuple:
+    """A rank's report, or a 'died' report when its pipe closed without one."""
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        proc.join(timeout=1.0)  # the pipe closes as the process exits
+        return ("died", rank, f"{_exit_text(proc.exitcode)}; see its stderr")
+    try:
+        report = pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - e.g. a result class the parent cannot import
+        text = f"its result could not be unpickled: {type(e).__name__}: {e}"
+        return ("err", rank, text, traceback.format_exc(), None, False, False)
+    return tuple(report)
+
+
 def _collect(
-    procs: list[Any], q: Any, grace_s: float, deadline_s: float | None
+    procs: list[Any], readers: list[Connection], grace_s: float, deadline_s: float | None
 ) -> dict[int, tuple]:
     n = len(procs)
     reports: dict[int, tuple] = {}
+    pending = dict(enumerate(readers))  # rank → pipe, until its report came
     start = time.monotonic()
     first_failure: float | None = None
-    dead_since: dict[int, float] = {}
+    after_timeout = False
     while len(reports) < n:
-        try:
-            msg = q.get(timeout=0.05)
-        except queue_mod.Empty:
-            msg = None
+        ready = wait(list(pending.values()), timeout=_POLL_S)
+        for r in [r for r, conn in pending.items() if conn in ready]:
+            rep = reports[r] = _receive(r, pending.pop(r), procs[r])
+            if rep[0] != "ok" and first_failure is None:
+                first_failure = time.monotonic()
+                after_timeout = rep[0] == "err" and bool(rep[6])
+        if len(reports) == n:
+            break
         now = time.monotonic()
-        if msg is not None:
-            reports[msg[1]] = msg
-            if msg[0] != "ok" and first_failure is None:
-                first_failure = now
-            continue
-        for r, p in enumerate(procs):
-            if r in reports or p.exitcode is None:
-                continue
-            # a message may still be in the pipe: give it a moment before declaring death
-            if now - dead_since.setdefault(r, now) > 1.0:
-                reports[r] = ("died", r, f"{_exit_text(p.exitcode)}; see its stderr")
-                if first_failure is None:
-                    first_failure = now
-        late = first_failure is not None and now - first_failure > grace_s
+        grace = min(grace_s, TIMEOUT_GRACE_S) if after_timeout else grace_s
+        late = first_failure is not None and now - first_failure > grace
         over = deadline_s is not None and now - start > deadline_s
+        if after_timeout:  # a stopped rank cannot answer: no need to wait out the grace
+            late = late or all(process_state(procs[r].pid) == "T" for r in pending)
         if late or over:
-            why = (
-                f"no report {grace_s:g}s after the first failure"
-                if late
-                else f"still running at the {deadline_s:g}s deadline"
-            )
-            for r, p in enumerate(procs):
-                if r not in reports:
-                    if p.is_alive():
-                        p.kill()
-                    reports[r] = ("killed", r, f"killed by the launcher ({why})")
+            for r in sorted(pending):
+                stopped = process_state(procs[r].pid) == "T"
+                if procs[r].is_alive():
+                    procs[r].kill()
+                reports[r] = _killed(r, grace, deadline_s if over else None, after_timeout, stopped)
             break
     return reports
 
 
+def _killed(
+    r: int, grace: float, deadline_s: float | None, after_timeout: bool, stopped: bool
+) -> tuple:
+    note = " (the process was stopped, e.g. by SIGSTOP)" if stopped else ""
+    if deadline_s is not None:
+        why = f"still running at the {deadline_s:g}s deadline"
+        return ("killed", r, f"killed by the launcher ({why}){note}")
+    if after_timeout and stopped:
+        why = "stopped (e.g. by SIGSTOP) when the others' collectives timed out"
+        return ("hung", r, f"hung: {why}; killed by the launcher")
+    if after_timeout:
+        why = f"no report {grace:g}s after the others' collectives timed out"
+        return ("hung", r, f"hung: {why}; killed by the launcher")
+    return ("killed", r, f"killed by the launcher (no report {grace:g}s after the first failure)")
+
+
 def _finish(reports: dict[int, tuple], backend: str, cp_size: int, timeout_s: float) -> list:
     if all(reports[r][0] == "ok" for r in range(cp_size)):
-        return [pickle.loads(reports[r][2]) for r in range(cp_size)]
+        return [reports[r][2] for r in range(cp_size)]
     failures: dict[int, str] = {}
     tracebacks: dict[int, str] = {}
     for r, rep in reports.items():
@@ -283,18 +330,19 @@ def _finish(reports: dict[int, tuple], backend: str, cp_size: int, timeout_s: fl
             tracebacks[r] = rep[3]
         elif rep[0] == "died":
             failures[r] = f"died ({rep[2]}) without reporting a result"
-        elif rep[0] == "killed":
+        elif rep[0] in ("killed", "hung"):
             failures[r] = rep[2]
 
-    # Blame, in order: a rank that died; one that raised on its own (arrival order); one whose
-    # collective failed (usually a consequence of a peer's failure); one the launcher killed.
+    # Blame, in order: a rank that died; one that raised on its own (arrival order); one that
+    # hung while the others timed out; one whose collective failed (usually a consequence of a
+    # peer's failure); one the launcher killed.
     def blame(r: int) -> int:
         rep = reports[r]
         if rep[0] == "died":
             return 0
         if rep[0] == "err":
-            return 2 if rep[5] else 1
-        return 3
+            return 3 if rep[5] else 1
+        return 2 if rep[0] == "hung" else 4
 
     arrival = list(reports)
     order = sorted(failures, key=lambda r: (blame(r), arrival.index(r)))

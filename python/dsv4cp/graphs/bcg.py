@@ -1,6 +1,7 @@
 """Breakable CUDA graphs: a forward captured as CUDA-graph segments separated by eager breaks.
 
-`BreakableGraph.capture(fn)` runs `fn` on a capture stream; inside it, `eager_break(fn, *args)`
+`BreakableGraph.capture(fn)` runs `fn` on a capture stream (given, or a `side_stream` that no
+other live owner holds: fake CP ranks capture concurrently); inside it, `eager_break(fn, *args)`
 ends the current segment, runs `fn(*args)` eagerly, keeps its output as a bridge buffer and
 begins the next segment. `replay()` replays segment 0, re-runs break 0 and copies its fresh
 result into the bridge buffer, replays segment 1, and so on. All segments share one memory pool
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.executors import open_fork_lanes
+from dsv4cp.side_streams import side_stream
 
 _state = threading.local()
 
@@ -80,7 +82,7 @@ class BreakableGraph:
     def capture(self, fn: Callable[[], Any]) -> Any:
         if in_capture():
             raise GraphBreakError("nested BreakableGraph capture")
-        stream = self.stream = self.stream or torch.cuda.Stream()
+        stream = self.stream = self.stream or side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             _state.graph = self

@@ -28,6 +28,7 @@ from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.graphs.bcg import BreakableGraph, eager_break
+from dsv4cp.side_streams import side_stream
 
 log = logging.getLogger("dsv4cp.graphs")
 
@@ -179,6 +180,7 @@ class GraphRunner:
         self.overlap_gathers = cp.capturable
         self.cp: CPGroup = cp if cp.capturable else EagerBreakCPGroup(cp)
         self.graphs: dict[int, BucketGraph] = {}
+        self.capture_stream: torch.cuda.Stream | None = None
         self.fallbacks = 0
         self._logged: set[str] = set()
 
@@ -189,6 +191,8 @@ class GraphRunner:
         barrier: Callable[[], None],
     ) -> list[BucketReport]:
         pool = None
+        # One capture stream for every bucket of this runner, held by no other rank or graph.
+        self.capture_stream = side_stream()
         for bucket in sorted(set(self.config.buckets), reverse=True):
             static = make_static(bucket)
             barrier()
@@ -200,7 +204,7 @@ class GraphRunner:
             # No rank may synchronise the device while another (a FakeCPGroup thread sharing the
             # GPU) is capturing: barriers fence the capture on both sides.
             barrier()
-            graph = BreakableGraph(pool=pool)
+            graph = BreakableGraph(pool=pool, stream=self.capture_stream)
             graph.capture(functools.partial(body, static))
             barrier()
             torch.cuda.synchronize()

@@ -1,9 +1,11 @@
 """Triton kernels for the hot ops, each with the signature of its `dsv4cp.ops` twin.
 
 The layer never calls these directly: `dsv4cp.routing` sends CUDA tensors here and CPU tensors
-to `dsv4cp.ops`. Modules: `indexer_logits` (mqa_logits), `topk` (topk_indices), `attention`
-(sparse_attention), `norm_rope` (the shared fused norm/RoPE row kernel: swa_key, store_swa_k),
-`compressor` (pair_pool, compressed_latent, compressed_key, index_key, the fused
-compress_store); `_triton` holds what they share. `launch_*` functions take tuning knobs
-(benchmarks, tests) on top of the twin's signature.
+to `dsv4cp.ops`. Modules: `indexer_logits` (mqa_logits), `topk` (topk_indices), `indexer_topk`
+(mqa_topk, mqa_topk_candidates, mqa_topk_among_blocks: the logits fused with their selections),
+`attention` (the Triton sparse_attention), `flashmla` (sparse_attention: FlashMLA's sparse prefill
+where installed and the shape fits, else `attention`), `norm_rope` (the shared fused norm/RoPE
+row kernel: swa_key, store_swa_k), `compressor` (pair_pool, compressed_latent, compressed_key,
+index_key, the fused compress_store); `_triton` holds what they share. `launch_*` functions take
+tuning knobs (benchmarks, tests) on top of the twin's signature.
 """

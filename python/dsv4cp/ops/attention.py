@@ -29,7 +29,7 @@ def _attend(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float) 
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True) + torch.exp(sink_f - m)
     o = torch.einsum("thk,tkd->thd", p, keys)
-    o = torch.where(denom > 0, o / denom, 0.0)
+    o = o / torch.where(denom > 0, denom, 1.0)  # as the kernel: NaN stays NaN, no key → 0
     return o.to(q.dtype)
 
 
@@ -43,7 +43,9 @@ def sparse_attention(
     """o[t,h] = Σ e^{s-m} kv[idx] / (Σ e^{s-m} + e^{sink[h]-m}); -1 indices skipped.
 
     q [T,H,D], kv [N,D] (K = V), indices [T,K], sink [H] fp32 → [T,H,D] in q.dtype. Duplicate
-    indices count once per occurrence; a row with no valid index gives 0.
+    indices count once per occurrence; a row with no valid index gives 0 (0 / 1 when the sink is
+    -inf too). NaN in q, a visible key or the sink gives NaN in the heads it reaches, as in the
+    Triton kernel (`kernels/attention.py`), never a silent 0.
     """
     t, h, d = q.shape
     if kv.dim() != 2 or kv.shape[1] != d or indices.shape[0] != t or sink.shape != (h,):
@@ -74,7 +76,8 @@ def _cached_keys(
     n_idx = indices.shape[1]
     rows = cache.index_select(0, indices.long().clamp_min(0).flatten())
     keys = decode_rows(rows, fmt, d).view(t, n_idx, d)
-    return keys, indices >= 0
+    valid = indices >= 0
+    return torch.where(valid[..., None], keys, 0.0), valid  # -1 reads row 0: whatever it holds
 
 
 def sparse_attention_cached(

@@ -1,0 +1,695 @@
+"""Per-layer peer benchmark (issue 15): dsv4cp's attention layer against SGLang 0.5.23's Hopper
+V4.1 path rebuilt from its parts, and against each layer's floor, at V4.1-Flash dims, bf16.
+
+    PYTHONPATH=python python -m benchmarks.layer_peer --out out/layer_peer.json
+    PYTHONPATH=/tmp/site:python python -m benchmarks.layer_peer ...    # FlashMLA installed there
+    PYTHONPATH=python python -m benchmarks.layer_peer --smoke           # the script, CPU, tiny
+
+One request per case: a cold prefill of 4K / 16K / 64K tokens, and a 16K-token chunk after a
+112K- and a 496K-token cached prefix (the caches are filled with random values of their storage
+dtype instead of prefilling the prefix). Roles: the Flash config's layers 0 (SWA), 2 (ratio-2 kv +
+index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (ratio-1 reuse),
+24 (ratio-1 candidate consumer), run in that order so each reads what the earlier ones left.
+
+- dsv4cp: `DeepseekV41Attention.forward` (prepare → sparse attention → output), best of the
+  serial and multistream executors, each a CUDA-graph replay (eager where capture fails). Its
+  ops come through `dsv4cp.routing`: Triton kernels, FlashMLA's sparse prefill where installed
+  (`kernels/flashmla.py`). With `--fused on|auto` the index layers use the fused logits+top-k
+  kernels (`kernels/indexer_topk.py`) through `fused_logits_topk` below: the call-site change
+  the layer is to receive (a no-op once the layer calls them itself).
+- peer: the same layer object with its indexer node replaced by SGLang's torch indexer (bf16
+  einsum scores, torch.topk; torch candidate publish / consume) and its sparse attention by
+  FlashMLA (`flash_mla_sparse_fwd`, legacy SM90 kernels), eager as SGLang runs it, plus the
+  bf16 workspace SGLang builds (the window rows every layer, the compressed entries on kv
+  sources; timed as a gather). Same projection GEMMs and cache writes as dsv4cp
+  (`benchmarks/sglang_peer.py` says what is SGLang's and what is not). Needs `flash_mla`; without
+  it the peer is skipped with a message.
+- floor: the layer's GEMMs timed in this run (one captured chain) plus its attention FLOPs —
+  sparse attention 2·H·(512 + 512) per valid index, indexer 2·H_I·D_I per scored key (a consumer:
+  at most its candidate positions) — at the bf16 GEMM rate measured here (8192³).
+- components per layer: the indexer step (dsv4cp unfused chunks, fused kernel, peer), sparse
+  attention on the layer's own inputs (Triton kernel, FlashMLA).
+- CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
+  tile the local shard; compute only) against (CP 1 time) / N.
+
+Every case and layer is guarded: a failure is printed and recorded, the run goes on, and the
+JSON is written at the end (also when `--budget-s` runs out: the rest is marked skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import sglang_peer
+from benchmarks.benchutil import Table, device_info, time_cuda, time_graph, write_json
+from benchmarks.prefill import SoloCPGroup
+from dsv4cp import ops, routing
+from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
+from dsv4cp.cache import KVCache
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.context import ForwardContext
+from dsv4cp.cp.group import SingleCPGroup
+from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
+from dsv4cp.layers import attention as layer_module
+from dsv4cp.layers.attention import DeepseekV41Attention
+from dsv4cp.model import init_random_
+from dsv4cp.schedule import PrepareState, lanes_of
+
+CASES: dict[str, tuple[int, int]] = {  # name: (cached prefix, new tokens)
+    "cold4k": (0, 4096),
+    "cold16k": (0, 16384),
+    "cold64k": (0, 65536),
+    "chunk16k@112k": (112 * 1024, 16384),
+    "chunk16k@496k": (496 * 1024, 16384),
+}
+LAYERS = (0, 2, 3, 20, 21, 24)
+CP_CASE, CP_SIZES = "chunk16k@112k", (4, 8)
+SMOKE_CASES = {"cold48": (0, 48), "chunk32@80": (80, 32)}
+SMOKE_LAYERS = (0, 1, 2, 3, 4, 5)  # the tiny config's roles, in the same order as LAYERS
+SMOKE_CP_CASE = "chunk32@80"
+FUSED_SWEEP = ((64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 3))
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+# ------------------------------------------------------------------------------ set-up
+
+
+def build_layers(
+    cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype, device: str
+) -> dict[int, DeepseekV41Attention]:
+    layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device=device) for i in ids}
+    weights = {
+        f"layers.{i}.attn.{n}": t
+        for i, a in layers.items()
+        for n, t in a.checkpoint_weights().items()
+    }
+    init_random_(weights, cfg, 0, device=device)
+    return layers
+
+
+def fill_random_(cache: KVCache, seed: int) -> None:
+    """Every cache tensor gets random values of its storage dtype: floats N(0, 1); integer
+    storage (quantized codes) random bytes without fp8 NaN codes, scale bytes near 2^0."""
+    g = torch.Generator(device=cache.device).manual_seed(seed)
+    for name, t in sorted(cache.state_dict_view().items()):
+        if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            t.normal_(generator=g)
+        elif t.is_floating_point():  # fp8 storage
+            t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))
+        elif "scale" in name:
+            t.copy_(torch.randint(124, 131, t.shape, generator=g, device=t.device).to(t.dtype))
+        else:
+            codes = torch.randint(0, 0x7F, t.shape, generator=g, device=t.device)
+            sign = torch.randint(0, 2, t.shape, generator=g, device=t.device) * 0x80
+            t.copy_((codes + sign).to(t.dtype))
+
+
+def make_context(
+    cfg: DeepseekV41Config, prefix: int, tokens: int, device: str, dtype: torch.dtype
+) -> ForwardContext:
+    total = prefix + tokens
+    cache = KVCache(
+        cfg, total + 64, max_requests=1, max_context=total + 16, device=device, dtype=dtype
+    )
+    cache.req_to_token[0, :total] = torch.arange(1, total + 1, device=device)
+    fill_random_(cache, seed=total)
+    batch = PrefillBatch((RequestSlice("r", 0, prefix, tuple(range(tokens))),))
+    slots = torch.arange(prefix + 1, total + 1)
+    meta = build_metadata(batch, cache.req_to_token, slots, (1, 2))
+    return ForwardContext.for_rank(meta, cache, SingleCPGroup())
+
+
+# ------------------------------------------------------------------------------ the layer's parts
+
+
+def fused_logits_topk(layer: DeepseekV41Attention, st: PrepareState) -> None:
+    """The index node with the fused logits + selection ops: the layer's call-site change."""
+    ctx = st.ctx
+    cfg, r = layer.config, layer.role.ratio
+    args = (st["idx_q"], st["idx_w"], ctx.cross.index_k_ws[r], ctx.local.n_visible(r))
+    kw: dict[str, Any] = dict(
+        k_start=ctx.workspace_start(r), width=max(ctx.meta.workspaces[r].max_entries, 1)
+    )
+    bs = cfg.candidate_block_size
+    if layer.role.candidate_consumer:
+        blocks = ctx.cross.candidates[r]
+        topk = routing.mqa_topk_among_blocks(*args, blocks, bs, cfg.index_topk, **kw)
+    elif layer.role.candidate_source:
+        topk, ctx.cross.candidates[r] = routing.mqa_topk_candidates(
+            *args, cfg.index_topk, bs, cfg.candidate_topk_blocks, **kw
+        )
+    else:
+        topk = routing.mqa_topk(*args, cfg.index_topk, **kw)
+    ctx.cross.topk[r] = topk
+    st["topk"] = topk
+
+
+@contextmanager
+def patched(
+    layer: DeepseekV41Attention,
+    *,
+    logits_topk: Callable[[DeepseekV41Attention, PrepareState], None] | None = None,
+    attention: Callable[..., torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """Run `layer` with its index node and/or its sparse attention call replaced."""
+    if not hasattr(layer_module, "sparse_attention") or not hasattr(layer, "_logits_topk"):
+        raise RuntimeError(
+            "layers/attention.py no longer has `sparse_attention` / `_logits_topk`: "
+            "update benchmarks/layer_peer.py's patch points"
+        )
+    saved = layer_module.sparse_attention
+    try:
+        if logits_topk is not None:
+
+            def _logits_topk(st: PrepareState) -> None:  # the node keeps its name
+                logits_topk(layer, st)
+
+            layer._logits_topk = _logits_topk  # type: ignore[method-assign]
+            layer.schedules.clear()
+        if attention is not None:
+            layer_module.sparse_attention = attention
+        yield
+    finally:
+        layer.__dict__.pop("_logits_topk", None)
+        layer.schedules.clear()
+        layer_module.sparse_attention = saved
+
+
+def gemm_chain(layer: DeepseekV41Attention, x: torch.Tensor) -> tuple[Callable[[], None], float]:
+    """The layer's GEMMs on random activations of the right shapes, and their FLOPs."""
+    cfg, role = layer.config, layer.role
+    t, dev, dt = x.shape[0], x.device, x.dtype
+    h, d = layer.n_heads, layer.head_dim
+    q_lora = torch.randn(t, cfg.q_lora_rank, device=dev, dtype=dt)
+    o = torch.randn(t, h, d, device=dev, dtype=dt)
+    entries = t // role.ratio if role.owns_compressor else 0
+    latent = torch.randn(entries, d, device=dev, dtype=dt)
+    # F.linear(a [m, k], W [n, k]) is 2·m·W.numel() FLOPs; the grouped wo_a einsum likewise.
+    flops = 2.0 * t * (layer.wqkv_a.numel() + layer.wq_b.numel())
+    flops += 2.0 * t * (layer.wo_a.numel() + layer.wo_b.numel())
+    if role.owns_compressor:
+        flops += 2.0 * t * layer.comp_wkv.numel() + 2.0 * entries * layer.idx_wk.numel()
+    if role.index_source:
+        flops += 2.0 * t * (layer.idx_wq_b.numel() + layer.idx_weights_proj.numel())
+
+    def run() -> None:
+        F.linear(x, layer.wqkv_a)
+        if role.owns_compressor:
+            if role.ratio == 2:
+                routing.linear_fp32(x, layer.comp_wkv)
+            else:
+                F.linear(x, layer.comp_wkv)
+            F.linear(latent, layer.idx_wk)
+        F.linear(q_lora, layer.wq_b)
+        if role.index_source:
+            F.linear(q_lora, layer.idx_wq_b)
+            F.linear(x, layer.idx_weights_proj)
+        ops.grouped_output(o, layer.wo_a, layer.wo_b, cfg.o_groups)
+
+    return run, flops
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+class Timer:
+    """Median ms of a call: CUDA-graph replays where asked and capturable, else eager; the number
+    of timed calls shrinks for slow calls so that one measurement takes about `target_s`."""
+
+    def __init__(self, device: str, iters: int, target_s: float) -> None:
+        self.device, self.iters, self.target_s = device, iters, target_s
+
+    def __call__(self, fn: Callable[[], object], *, graph: bool = True) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        fn()  # also the first warm-up call
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        probe_ms = (time.perf_counter() - t0) * 1e3
+        iters = max(2, min(self.iters, int(self.target_s * 1e3 / max(probe_ms, 1e-3))))
+        if self.device == "cuda" and graph:
+            try:
+                return time_graph(fn, warmup=1, iters=iters)["median_ms"], "graph"
+            except Exception as exc:  # not capturable: eager instead
+                print(f"      (eager timing: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
+                torch.cuda.synchronize()
+        stats = time_cuda(fn, warmup=1, iters=iters, device=self.device)
+        return stats["median_ms"], "eager"
+
+
+def measure_ceiling(device: str, smoke: bool) -> float:
+    """bf16 GEMM rate in TFLOP/s (8192³; 256³ in the smoke run)."""
+    m = 256 if smoke else 8192
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    ms = time_cuda(lambda: a @ b, warmup=3, iters=10, device=device)["median_ms"]
+    return 2.0 * m**3 / (ms * 1e-3) / 1e12
+
+
+# ------------------------------------------------------------------------------ one case
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.smoke = args.smoke
+        self.device = "cpu" if args.smoke else "cuda"
+        self.dtype = torch.bfloat16
+        if args.smoke:
+            self.cfg = DeepseekV41Config.tiny()
+            self.cases, self.layer_ids, self.cp_case = SMOKE_CASES, SMOKE_LAYERS, SMOKE_CP_CASE
+        else:
+            self.cfg = DeepseekV41Config.flash()
+            self.cases, self.layer_ids, self.cp_case = CASES, LAYERS, CP_CASE
+        if args.layers:
+            self.layer_ids = tuple(int(v) for v in args.layers.split(","))
+        self.timer = Timer(self.device, args.iters, args.target_s)
+        self.sweep = args.sweep and not args.smoke
+        self.budget = Budget(args.budget_s)
+        self.layers = build_layers(self.cfg, self.layer_ids, self.dtype, self.device)
+        self.executors: dict[str, Executor] = {"serial": SERIAL}
+        if self.device == "cuda":
+            pool = StreamPool(
+                lanes_of([a.schedule() for a in self.layers.values()]), torch.device("cuda")
+            )
+            self.executors["multistream"] = MultistreamExecutor(pool)
+        self.fused = args.fused == "on" or (
+            args.fused == "auto" and not hasattr(layer_module, "mqa_topk")
+        )
+        self.flashmla = _has_flashmla()
+        self.peer = args.peer and (self.flashmla or self.smoke)
+        if args.peer and not self.peer:
+            print("peer skipped: flash_mla does not import (install sgl-flash-mla 1.0.0)")
+        self.ceiling = measure_ceiling(self.device, self.smoke)
+        print(f"bf16 GEMM ceiling: {self.ceiling:.1f} TFLOP/s", flush=True)
+
+    # -------------------------------------------------------------- per layer
+    def layer_row(
+        self, case: str, ctx: ForwardContext, x: torch.Tensor, layer: DeepseekV41Attention
+    ) -> dict[str, Any]:
+        role = layer.role
+        prefix, tokens = self.cases[case]
+        row: dict[str, Any] = dict(
+            case=case, prefix=prefix, tokens=tokens, layer=layer.layer, role=role.name
+        )
+        record: dict[str, Any] = {}
+
+        def record_index(lay: DeepseekV41Attention, st: PrepareState) -> None:
+            record["idx"] = PrepareState(st.ctx, idx_q=st["idx_q"], idx_w=st["idx_w"])
+            DeepseekV41Attention._logits_topk(lay, st)
+
+        routed = layer_module.sparse_attention
+
+        def record_attention(*a: Any) -> torch.Tensor:
+            record["attn"] = a
+            return routed(*a)
+
+        with patched(
+            layer,
+            logits_topk=record_index if role.index_source else None,
+            attention=record_attention,
+        ):
+            layer.forward(x, ctx)  # also leaves this layer's records for the later layers
+        fused = self.fused and role.index_source
+        with patched(layer, logits_topk=fused_logits_topk if fused else None):
+            for name, ex in self.executors.items():
+                ms, how = self.timer(lambda ex=ex: layer.forward(x, ctx, ex))
+                if ms < row.get("dsv4cp_ms", float("inf")):
+                    row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
+            layer.forward(x, ctx)  # later layers read records made eagerly, not in a graph
+        row["dsv4cp_indexer"] = "fused" if fused else ("layer" if role.index_source else "-")
+        self.components(row, ctx, layer, record)
+        if self.peer:
+            self.peer_time(row, ctx, x, layer)
+        run, flops = gemm_chain(layer, x)
+        row["gemm_ms"] = self.timer(run)[0]
+        row["gemm_tflops"] = flops / (row["gemm_ms"] * 1e-3) / 1e12
+        work = row["attn_flops"] + row.get("idx_flops", 0.0)
+        row["floor_ms"] = row["gemm_ms"] + work / (self.ceiling * 1e12) * 1e3
+        row["dsv4cp_over_floor"] = row["dsv4cp_ms"] / row["floor_ms"]
+        if "peer_ms" in row:
+            row["dsv4cp_over_peer"] = row["dsv4cp_ms"] / row["peer_ms"]
+            row["speedup_vs_peer"] = row["peer_ms"] / row["dsv4cp_ms"]
+        return row
+
+    def components(
+        self, row: dict[str, Any], ctx: ForwardContext, layer: DeepseekV41Attention, rec: dict
+    ) -> None:
+        cfg, role = layer.config, layer.role
+        q, kv, idx, sink, scale = rec["attn"]
+        valid = int((idx >= 0).sum().item())
+        row["attn_keys_per_row"] = valid / max(1, idx.shape[0])
+        row["attn_flops"] = 2.0 * layer.n_heads * (2 * layer.head_dim) * valid
+        attn_triton = routing.sparse_attention if self.smoke else _triton_attention
+        row["attn_triton_ms"] = self.timer(lambda: attn_triton(q, kv, idx, sink, scale))[0]
+        if self.flashmla:
+            row["attn_flashmla_ms"] = self.timer(
+                lambda: sglang_peer.flashmla_sparse_attention(q, kv, idx, sink, scale)
+            )[0]
+            row["triton_vs_flashmla"] = row["attn_flashmla_ms"] / row["attn_triton_ms"]
+        if not role.index_source:
+            return
+        st = rec["idx"]
+        r = role.ratio
+        n_vis = ctx.local.n_visible(r)
+        scored = n_vis.clamp(max=cfg.candidate_topk_blocks * cfg.candidate_block_size)
+        n_eff = scored if role.candidate_consumer else n_vis
+        row["idx_flops"] = 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(n_eff.sum())
+        saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
+        unfused = lambda: DeepseekV41Attention._logits_topk(layer, st)  # noqa: E731
+        unfused()
+        want = ctx.cross.topk[r]
+        fused_logits_topk(layer, st)
+        row["fused_rows_identical"] = float((ctx.cross.topk[r] == want).all(1).float().mean())
+        row["idx_layer_ms"] = self.timer(unfused)[0]
+        row["idx_fused_ms"] = self.timer(lambda: fused_logits_topk(layer, st))[0]
+        if self.sweep:
+            row["idx_fused_sweep"] = self.sweep_fused(ctx, layer, st)
+        if self.peer:
+            row["idx_peer_ms"] = self.timer(
+                lambda: sglang_peer.peer_logits_topk(layer, st), graph=False
+            )[0]
+        ctx.cross.topk.update(saved[0])
+        ctx.cross.candidates.update(saved[1])
+
+    def sweep_fused(
+        self, ctx: ForwardContext, layer: DeepseekV41Attention, st: PrepareState
+    ) -> dict[str, float]:
+        """The fused indexer's ms per (BLOCK_T, BLOCK_N, warps, stages) and buffer size."""
+        from dsv4cp.kernels.indexer_topk import launch_mqa_topk
+
+        cfg, role, r = layer.config, layer.role, layer.role.ratio
+        args = (st["idx_q"], st["idx_w"], ctx.cross.index_k_ws[r], ctx.local.n_visible(r))
+        kw: dict[str, Any] = dict(
+            k_start=ctx.workspace_start(r),
+            width=max(ctx.meta.workspaces[r].max_entries, 1),
+            block_size=cfg.candidate_block_size,
+        )
+        if role.candidate_consumer:
+            kw["block_ids"] = ctx.cross.candidates[r]
+        elif role.candidate_source:
+            kw["max_blocks"] = cfg.candidate_topk_blocks
+        out: dict[str, float] = {}
+        for config in FUSED_SWEEP:
+            for cap in (None, 2048):
+                try:
+                    out[f"{config} cap={cap}"] = self.timer(
+                        lambda c=config, cp=cap: launch_mqa_topk(
+                            *args, cfg.index_topk, config=c, cap=cp, **kw
+                        )
+                    )[0]
+                except Exception as exc:
+                    print(f"      sweep {config} cap={cap}: {_err(exc)}", flush=True)
+        return out
+
+    def peer_time(
+        self, row: dict[str, Any], ctx: ForwardContext, x: torch.Tensor, layer: DeepseekV41Attention
+    ) -> None:
+        saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
+        attention = sglang_peer.flashmla_sparse_attention if self.flashmla else ops.sparse_attention
+        index = sglang_peer.peer_logits_topk if layer.role.index_source else None
+        with patched(layer, logits_topk=index, attention=attention):
+            row["peer_layer_ms"] = self.timer(lambda: layer.forward(x, ctx), graph=False)[0]
+        ctx.cross.topk.update(saved[0])
+        ctx.cross.candidates.update(saved[1])
+        swa, comp = sglang_peer.workspace_rows(layer, ctx)
+        pool = ctx.cache.kv_pool
+        row["peer_workspace_ms"] = self.timer(lambda: pool.index_select(0, swa))[0]
+        if comp is not None:
+            row["peer_workspace_ms"] += self.timer(lambda: pool.index_select(0, comp))[0]
+        row["peer_ms"] = row["peer_layer_ms"] + row["peer_workspace_ms"]
+
+    # -------------------------------------------------------------- per case
+    def case_rows(self, case: str, rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]):
+        prefix, tokens = self.cases[case]
+        print(f"case {case}: prefix {prefix}, {tokens} new tokens", flush=True)
+        ctx = make_context(self.cfg, prefix, tokens, self.device, self.dtype)
+        x = torch.randn(tokens, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        cp1: dict[int, float] = {}
+        for i in self.layer_ids:
+            layer = self.layers[i]
+            if self.budget.left() <= 0:
+                rows.append(dict(case=case, layer=i, role=layer.role.name, error="time budget"))
+                continue
+            try:
+                row = self.layer_row(case, ctx, x, layer)
+                cp1[i] = row["dsv4cp_ms"]
+                print("   ", _brief(row), flush=True)
+            except Exception as exc:  # keep going: the other layers and cases still count
+                traceback.print_exc()
+                row = dict(case=case, layer=i, role=layer.role.name, error=_err(exc))
+                _release(self.device)
+            rows.append(row)
+        if case == self.cp_case:
+            for n in (2,) if self.smoke else CP_SIZES:
+                self.cp_rank_rows(case, ctx, n, cp1, cp_rows)
+        del ctx, x
+        _release(self.device)
+
+    def cp_rank_rows(
+        self,
+        case: str,
+        ctx1: ForwardContext,
+        n: int,
+        cp1: dict[int, float],
+        out: list[dict[str, Any]],
+    ) -> None:
+        """Rank 0 of CP = n alone (its gathers tile its shard): compute only, one GPU."""
+        try:
+            ctx = ForwardContext.for_rank(ctx1.meta, ctx1.cache, SoloCPGroup(n))
+            x = torch.randn(
+                ctx.local_rows, self.cfg.hidden_size, device=self.device, dtype=self.dtype
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            out.append(dict(case=case, cp=n, error=_err(exc)))
+            return
+        for i in self.layer_ids:
+            layer = self.layers[i]
+            row: dict[str, Any] = dict(case=case, cp=n, layer=i, role=layer.role.name)
+            if self.budget.left() <= 0 or i not in cp1:
+                row["error"] = "time budget" if self.budget.left() <= 0 else "no CP 1 time"
+                out.append(row)
+                continue
+            fused = self.fused and layer.role.index_source
+            try:
+                with patched(layer, logits_topk=fused_logits_topk if fused else None):
+                    layer.forward(x, ctx)
+                    best = min(
+                        self.timer(lambda ex=ex, lay=layer: lay.forward(x, ctx, ex))[0]
+                        for ex in self.executors.values()
+                    )
+                    layer.forward(x, ctx)  # eager records for the later layers
+                row.update(rank_ms=best, cp1_ms=cp1[i], ideal_ms=cp1[i] / n)
+                row["rank_over_ideal"] = best / row["ideal_ms"]
+                row["replicated"] = _replicated(layer)
+                print(f"    CP {n} layer {i}: {best:.3f} ms = {row['rank_over_ideal']:.3f}x ideal")
+            except Exception as exc:
+                traceback.print_exc()
+                row["error"] = _err(exc)
+                _release(self.device)
+            out.append(row)
+
+
+def _triton_attention(*a: Any) -> torch.Tensor:
+    from dsv4cp.kernels.attention import launch_sparse_attention
+
+    return launch_sparse_attention(*a)
+
+
+def _has_flashmla() -> bool:
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _replicated(layer: DeepseekV41Attention) -> str:
+    parts = ["SWA store of all T rows"]
+    if layer.role.owns_compressor:
+        parts.append("compressor + index keys of all T rows, index-K workspace of the context")
+    if layer.role.index_source:
+        parts.append("(indexer: local queries x whole context, not replicated)")
+    return "; ".join(parts)
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _brief(row: dict[str, Any]) -> str:
+    keys = ("dsv4cp_ms", "peer_ms", "floor_ms", "speedup_vs_peer", "dsv4cp_over_floor")
+    vals = " ".join(f"{k}={row[k]:.3f}" for k in keys if isinstance(row.get(k), float))
+    return f"layer {row['layer']} {row['role']}: {vals}"
+
+
+# ------------------------------------------------------------------------------ targets
+
+
+def targets(rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 15's targets against this run: value, goal, met, and by how much if not."""
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, case: str, role: str, value: float | None, goal: float, low: bool) -> None:
+        if value is None:
+            return
+        met = value >= goal if low else value <= goal
+        miss = None if met else (goal / value if low else value / goal)
+        out.append(
+            dict(target=what, case=case, role=role, value=value, goal=goal, met=met, missed_by=miss)
+        )
+
+    for r in rows:
+        if "error" in r:
+            continue
+        role, case = r["role"], r["case"]
+        if role.startswith("r2+kv_source+index_source") and case in ("cold16k", "cold64k"):
+            goal = 3.5 if case == "cold16k" else 8.0
+            add("index source vs peer (x)", case, role, r.get("speedup_vs_peer"), goal, True)
+        if case.startswith("chunk16k"):
+            add("each role vs peer (x)", case, role, r.get("speedup_vs_peer"), 4.0, True)
+        if case in ("cold16k", "cold64k"):
+            add("dsv4cp / floor", case, role, r.get("dsv4cp_over_floor"), 1.5, False)
+        add("Triton / FlashMLA speed", case, role, r.get("triton_vs_flashmla"), 0.8, True)
+    for r in cp_rows:
+        if "rank_over_ideal" in r:
+            goal = 1.12 if r["cp"] == 4 else 1.15
+            add(
+                f"CP {r['cp']} rank / ideal",
+                r["case"],
+                r["role"],
+                r["rank_over_ideal"],
+                goal,
+                False,
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CASES)} (default all)")
+    ap.add_argument("--layers", default="", help=f"comma list of layer ids (default {LAYERS})")
+    ap.add_argument("--iters", type=int, default=10, help="timed calls at most per measurement")
+    ap.add_argument("--target-s", type=float, default=0.5, help="seconds per measurement, about")
+    ap.add_argument("--budget-s", type=float, default=280.0, help="stop starting work after this")
+    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--sweep", action="store_true", help="also time the fused kernel's configs")
+    ap.add_argument("--no-peer", dest="peer", action="store_false")
+    ap.add_argument("--no-cp", dest="cp", action="store_false")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, torch peer parts")
+    ap.add_argument("--out", default="out/layer_peer.json")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("layer_peer: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # backend choices
+    torch.manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    cp_rows: list[dict[str, Any]] = []
+    run: Run | None = None
+    try:
+        run = Run(args)
+        names = [c for c in args.cases.split(",") if c] or list(run.cases)
+        unknown = [c for c in names if c not in run.cases]
+        if unknown:
+            print(f"layer_peer: unknown cases {unknown}; known: {list(run.cases)}", file=sys.stderr)
+            return 2
+        if not args.cp:
+            run.cp_case = ""
+        for case in names:
+            if run.budget.left() <= 0:
+                rows.append(dict(case=case, error="time budget"))
+                continue
+            try:
+                run.case_rows(case, rows, cp_rows)
+            except Exception as exc:  # the case's set-up failed (memory?): record, go on
+                traceback.print_exc()
+                rows.append(dict(case=case, error=_err(exc)))
+                _release(run.device)
+    finally:
+        report(args, run, rows, cp_rows)
+    return 0
+
+
+def report(
+    args: argparse.Namespace,
+    run: Run | None,
+    rows: list[dict[str, Any]],
+    cp_rows: list[dict[str, Any]],
+) -> None:
+    cols = [
+        "case", "layer", "role", "dsv4cp_ms", "peer_ms", "floor_ms", "speedup_vs_peer",
+        "dsv4cp_over_floor", "gemm_ms", "idx_layer_ms", "idx_fused_ms", "idx_peer_ms",
+        "attn_triton_ms", "attn_flashmla_ms", "triton_vs_flashmla", "dsv4cp_path", "error",
+    ]  # fmt: skip
+    dims = "V4.1-Flash dims (d 5120, 64 heads x 512, index 32 x 128, top-k 512, window 128)"
+    gpu = device_info().get("gpu_name", "cpu")
+    table = Table(
+        cols,
+        title=f"layer_peer: {'tiny config (smoke)' if args.smoke else dims}, bf16, one request; "
+        f"ms per layer forward on {gpu}",
+    )
+    for r in rows:
+        table.add(r)
+    table.print()
+    if cp_rows:
+        cp_table = Table(
+            ["case", "cp", "layer", "role", "rank_ms", "ideal_ms", "rank_over_ideal", "error"],
+            title="CP per-rank time (rank 0 alone, gathers tile its shard; compute only)",
+        )
+        for r in cp_rows:
+            cp_table.add(r)
+        cp_table.print()
+    goals = targets(rows, cp_rows)
+    if goals:
+        t = Table(["target", "case", "role", "value", "goal", "met", "missed_by"], title="targets")
+        for g in goals:
+            t.add(g)
+        t.print()
+    payload = {
+        "benchmark": "layer_peer",
+        "dtype": "bfloat16",
+        "config": "tiny" if args.smoke else "flash",
+        "shapes": dims if not args.smoke else "tiny",
+        "gpu": gpu,
+        "ceiling_tflops": None if run is None else run.ceiling,
+        "flashmla": None if run is None else run.flashmla,
+        "fused_indexer": None if run is None else run.fused,
+        "rows": rows,
+        "cp_rows": cp_rows,
+        "targets": goals,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(args.out, payload)
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

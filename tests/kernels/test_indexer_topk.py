@@ -1,0 +1,131 @@
+"""GPU: the fused indexer logits + selection kernels against the ops twins at V4.1-Flash dims.
+
+Integer-valued inputs (bf16 small integers, power-of-two head weights) make every logit exact in
+fp32, so the selections must be identical to the twins', exact ties included; random bf16
+inputs are checked tie-aware against the logits kernel's own logits. CPU: interpreter cases in
+test_indexer_topk_interpreter.py, the sm90 compile in test_indexer_topk_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp import ops, routing
+from dsv4cp.kernels.indexer_logits import mqa_logits as kernel_logits
+from dsv4cp.kernels.indexer_topk import launch_mqa_topk
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+H, D = 32, 128
+
+
+def _ints(t: int, n: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-3, 4, (t, H, D), device="cuda", generator=g).bfloat16()
+    k = torch.randint(-3, 4, (n, D), device="cuda", generator=g).bfloat16()
+    scales = torch.tensor([0.5, -0.25, 1.0, 2.0, -1.0], device="cuda")
+    w = scales[torch.randint(0, 5, (t, H), device="cuda", generator=g)]
+    return q, w, k, g
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    bad = (got != want).any(1).nonzero().flatten()[:4].tolist()
+    assert not bad, f"rows {bad} differ:\n{got[bad]}\n{want[bad]}"
+
+
+@pytest.mark.parametrize(
+    ("t", "n", "k_top", "width"),
+    [
+        (2048, 16384, 512, None),  # one piece per row block
+        (64, 100000, 512, None),  # one row block: the width split into pieces, merged
+        (300, 5000, 1024, 4000),
+        (1, 700, 8, None),
+    ],
+)
+def test_full_topk_matches_ops(t: int, n: int, k_top: int, width: int | None) -> None:
+    q, w, k, g = _ints(t, n, seed=t + n)
+    nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
+    if t >= 4:
+        nv[:4] = torch.tensor([n, 0, k_top, k_top + 1], device="cuda")
+    want = ops.mqa_topk(q, w, k, nv, k_top, width=width)
+    _equal(routing.mqa_topk(q, w, k, nv, k_top, width=width), want)
+
+
+def test_two_requests_causal() -> None:
+    t, n = 1536, 9000  # request 1: 700 rows after a 4000-entry prefix; request 2: 836 rows
+    q, w, k, _ = _ints(t, n, seed=1)
+    ks = torch.cat([torch.zeros(700), torch.full((836,), 4700.0)]).long().cuda()
+    nv = torch.cat([4000 + torch.arange(1, 701), torch.arange(1, 837) * 5]).cuda()
+    want = ops.mqa_topk(q, w, k, nv, 512, k_start=ks, width=4700)
+    _equal(routing.mqa_topk(q, w, k, nv, 512, k_start=ks, width=4700), want)
+
+
+def test_candidate_source_and_consumer() -> None:
+    t, n = 256, 40000  # 5000 blocks of 8: more than the 2048 published
+    q, w, k, g = _ints(t, n, seed=2)
+    nv = n - 255 + torch.arange(t, device="cuda")
+    top, blocks = routing.mqa_topk_candidates(q, w, k, nv, 512, 8, 2048)
+    want_top, want_blocks = ops.mqa_topk_candidates(q, w, k, nv, 512, 8, 2048)
+    _equal(top, want_top)
+    _equal(blocks, want_blocks)
+    q2, w2, _, _ = _ints(t, n, seed=3)  # the consumer's own queries over the same keys
+    got = routing.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512)
+    _equal(got, ops.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512))
+
+
+def test_consumer_gather_at_long_context() -> None:
+    t, n = 128, 200000  # 25000 blocks, 2048 published: "auto" gathers them
+    q, w, k, g = _ints(t, n, seed=6)
+    nv = n - 127 + torch.arange(t, device="cuda")
+    _, blocks = routing.mqa_topk_candidates(q, w, k, nv, 512, 8, 2048)
+    q2, w2, _, _ = _ints(t, n, seed=7)
+    want = ops.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512)
+    _equal(routing.mqa_topk_among_blocks(q2, w2, k, nv, blocks, 8, 512), want)
+    for mode in ("map", "gather"):
+        got, _ = launch_mqa_topk(q2, w2, k, nv, 512, block_ids=blocks, block_size=8, consumer=mode)
+        _equal(got, want)
+
+
+def test_random_bf16_tie_aware() -> None:
+    g = torch.Generator(device="cuda").manual_seed(4)
+    t, n, k_top = 512, 30000, 512
+    q = torch.randn(t, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(n, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(t, H, device="cuda", generator=g) / 64
+    nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
+    sel = routing.mqa_topk(q, w, k, nv, k_top)
+    logits = kernel_logits(q, w, k, nv)
+    picked = sel >= 0
+    assert torch.equal(picked.sum(1), nv.clamp(max=k_top).to(picked.sum(1).dtype))
+    chosen = torch.zeros(t, n + 1, dtype=torch.bool, device="cuda")
+    chosen.scatter_(1, torch.where(picked, sel, n).long(), True)
+    chosen = chosen[:, :n]
+    visible = torch.arange(n, device="cuda")[None, :] < nv[:, None]
+    low = torch.where(chosen, logits, float("inf")).amin(1)
+    high = torch.where(visible & ~chosen, logits, float("-inf")).amax(1)
+    assert torch.all(low >= high - 1e-4 * logits.abs().amax()), "a larger logit was left out"
+
+
+@pytest.mark.parametrize("config", [(64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2)])
+def test_configs_and_graph_capture(config: tuple[int, int, int, int]) -> None:
+    t, n = 700, 20000
+    q, w, k, g = _ints(t, n, seed=5)
+    nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
+    want = ops.mqa_topk(q, w, k, nv, 512)
+    _equal(launch_mqa_topk(q, w, k, nv, 512, config=config)[0], want)
+    out = torch.empty_like(want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(launch_mqa_topk(q, w, k, nv, 512, config=config)[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(launch_mqa_topk(q, w, k, nv, 512, config=config)[0])
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    _equal(out, want)

@@ -1,0 +1,91 @@
+"""The fused indexer kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+Triton lowers a kernel to PTX without a device, and its bundled ptxas assembles it, so a kernel
+that would not compile on the H200 fails here first. The scan kernel must issue wgmma (the logits
+on Hopper's tensor cores), in each of its three modes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.slow
+
+
+def _compile(fn: Any, types: list[str], const: dict[str, Any], warps: int, stages: int) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
+    try:
+        kernel = triton.compile(
+            ASTSource(fn, sig, constexprs=const),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=warps, num_stages=stages),
+        )
+    except (ImportError, RuntimeError) as exc:  # no CUDA backend in this triton build
+        if "backend" in str(exc).lower():
+            pytest.skip(f"triton cannot target CUDA here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists() or shutil.which("ptxas"):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            exe = str(ptxas) if ptxas.exists() else "ptxas"
+            res = subprocess.run(
+                [exe, "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                capture_output=True,
+                text=True,
+            )
+            assert res.returncode == 0, res.stderr[-2000:]
+    return ptx
+
+
+SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i32"] * 5
+SCAN_TYPES += ["i32"] * 12
+
+
+@pytest.mark.parametrize(("member", "block_max"), [(False, False), (False, True), (True, False)])
+def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool) -> None:
+    from dsv4cp.kernels import indexer_topk as m
+
+    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
+    const = dict(
+        K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
+        BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
+        STAGES=stages, UPCAST=False, DOT_PREC="tf32",
+    )  # fmt: skip
+    ptx = _compile(m._scan_kernel, SCAN_TYPES, const, warps, stages)
+    assert "wgmma.mma_async" in ptx
+
+
+def test_gather_kernel_compiles_for_sm90() -> None:
+    from dsv4cp.kernels import indexer_topk as m
+
+    types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
+    const = dict(
+        K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
+        UPCAST=False, DOT_PREC="tf32",
+    )  # fmt: skip
+    ptx = _compile(m._gather_kernel, types, const, 4, 2)
+    assert "mma" in ptx  # all 32 heads of a row in one tensor-core product
+
+
+def test_merge_and_member_kernels_compile_for_sm90() -> None:
+    from dsv4cp.kernels import indexer_topk as m
+
+    const = dict(K=512, K_PAD=512, P_PAD=16, CAP=1024, PREFIX=True)
+    _compile(
+        m._merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
+    )
+    _compile(m._member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)

@@ -1,0 +1,227 @@
+"""kernels/indexer_topk on the CPU through Triton's interpreter, against the ops twins.
+
+TRITON_INTERPRET must be set before triton is imported, so the cases run in one child process
+(this file as a script) and report back as JSON. Inputs are small integers (weights powers of
+two), so every logit is exact in fp32 whatever the summation order and the selections must be
+identical to the twins', ties included (integers tie often, and the tie rule — the smaller index —
+is what is tested). One case uses random floats and checks the selection on its own terms against
+fp64 logits (the interpreter's fp32 dot rounds differently from torch's).
+
+Shapes are tiny (the interpreter steps every program in Python); small `cap` and `pieces` force
+the paths that the real shapes take: buffer cuts in the middle of a row, several pieces merged,
+row blocks holding two requests (two k_start values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = (
+    "full_one_piece",
+    "full_pieces_and_cuts",
+    "full_bf16_two_requests",
+    "rising_logits_cut_every_tile",
+    "candidates",
+    "consumer",
+    "consumer_gather",
+    "random_floats_tie_aware",
+)
+CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
+
+
+@pytest.fixture(scope="module")
+def child_results() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python"))
+    env.pop("DSV4CP_KERNELS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, (
+        f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_indexer_topk_in_the_interpreter(case: str, child_results: dict[str, str]) -> None:
+    assert child_results[case] == "ok", child_results[case]
+
+
+def test_launcher_limits() -> None:
+    import torch
+
+    from dsv4cp.kernels.indexer_topk import check_mqa_topk, launch_mqa_topk
+
+    q, w, k, nv = torch.zeros(2, 4, 16), torch.zeros(2, 4), torch.zeros(9, 16), torch.ones(2)
+    with pytest.raises(ValueError, match="k_top must be in"):
+        check_mqa_topk(q, w, k, nv, 5000)
+    with pytest.raises(ValueError, match="D_I must be a power of two"):
+        check_mqa_topk(torch.zeros(2, 4, 24), w, torch.zeros(9, 24), nv, 8)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_size=6)
+    with pytest.raises(ValueError, match="exclude"):
+        launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_ids=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="cap 32 must be a power of two"):
+        launch_mqa_topk(q, w, k, nv, 8, cap=32, config=(16, 32, 4, 1))
+    with pytest.raises(ValueError, match="consumer must be"):
+        launch_mqa_topk(q, w, k, nv, 8, block_ids=torch.zeros(2, 3), consumer="dense")
+
+
+# ------------------------------------------------------------------ the cases (child process only)
+
+
+def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check functions
+    import torch
+
+    from dsv4cp import ops
+    from dsv4cp.kernels import indexer_topk as kern
+
+    def ints(*shape: int, lo: int = -2, hi: int = 3, seed: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(lo, hi, shape, generator=g).float()
+
+    def inputs(t: int, h: int, d: int, n: int, seed: int):
+        q, k = ints(t, h, d, seed=seed), ints(n, d, seed=seed + 1)
+        pick = torch.randint(0, 4, (t, h), generator=torch.Generator().manual_seed(seed + 3))
+        w = torch.tensor([0.5, -1.0, 2.0, 0.25])[pick]  # powers of two: exact products
+        nv = torch.randint(0, n + 1, (t,), generator=torch.Generator().manual_seed(seed + 2))
+        return q, w, k, nv
+
+    def equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        if not torch.equal(got, want):
+            bad = (got != want).any(1).nonzero().flatten()[:3].tolist()
+            raise AssertionError(f"{what}: rows {bad} differ: {got[bad]} vs {want[bad]}")
+
+    def full_one_piece():
+        q, w, k, nv = inputs(37, 4, 16, 150, seed=1)
+        nv[:5] = torch.tensor([150, 0, 8, 9, 1])  # n ≤ k, n = k, n = k + 1, nothing visible
+        got, _ = kern.launch_mqa_topk(q, w, k, nv, 8, config=CFG)
+        equal(got, ops.mqa_topk(q, w, k, nv, 8), "one piece")
+
+    def full_pieces_and_cuts():
+        q, w, k, nv = inputs(21, 4, 16, 300, seed=2)
+        nv[0], nv[1] = 300, 299
+        want = ops.mqa_topk(q, w, k, nv, 24)
+        for pieces, cap in ((1, 64), (3, 64), (5, None)):  # cap 64: cuts every other tile
+            got, _ = kern.launch_mqa_topk(q, w, k, nv, 24, config=CFG, pieces=pieces, cap=cap)
+            equal(got, want, f"pieces={pieces} cap={cap}")
+
+    def full_bf16_two_requests():
+        q, w, k, nv = inputs(29, 4, 32, 160, seed=3)
+        q, k = q.bfloat16(), k.bfloat16()  # small integers are exact in bf16
+        ks = torch.cat([torch.zeros(11, dtype=torch.long), torch.full((18,), 50)])
+        nv = torch.minimum(nv, 160 - ks)
+        nv[12] = 500  # more visible than the width: the width bounds it
+        for pieces in (None, 2):
+            got, _ = kern.launch_mqa_topk(
+                q, w, k, nv, 8, k_start=ks, width=96, config=CFG, pieces=pieces, cap=64
+            )
+            equal(got, ops.mqa_topk(q, w, k, nv, 8, k_start=ks, width=96), f"pieces={pieces}")
+
+    def rising_logits_cut_every_tile():
+        # Logits grow with the column: every column beats the threshold, the buffer is cut at
+        # every tile, and the answer is the newest k of each row.
+        t, h, d, n = 18, 4, 16, 200
+        q = torch.ones(t, h, d)
+        k = torch.arange(n, dtype=torch.float32)[:, None].expand(n, d) / 16
+        w = torch.ones(t, h)
+        nv = torch.randint(10, n + 1, (t,), generator=torch.Generator().manual_seed(8))
+        got, _ = kern.launch_mqa_topk(q, w, k, nv, 16, config=CFG, cap=64)
+        equal(got, ops.mqa_topk(q, w, k, nv, 16), "rising")
+        newest = nv[:, None] - 16 + torch.arange(16)
+        equal(got.long(), torch.where(nv[:, None] > 16, newest, got.long()), "newest k")
+
+    def candidates():
+        q, w, k, nv = inputs(33, 4, 16, 180, seed=4)
+        ks = torch.cat([torch.zeros(20, dtype=torch.long), torch.full((13,), 30)])
+        nv = torch.minimum(nv, 180 - ks)
+        nv[:4] = torch.tensor([0, 1, 140, 149])  # 149 > width 141: the forced block is cut
+        for pieces, width, max_blocks in ((None, 141, 6), (3, 141, 6), (2, 120, 40)):
+            top, blocks = kern.launch_mqa_topk(
+                q, w, k, nv, 8, k_start=ks, width=width, config=CFG, pieces=pieces, cap=64,
+                block_size=4, max_blocks=max_blocks,
+            )  # fmt: skip
+            want_top, want_blocks = ops.mqa_topk_candidates(
+                q, w, k, nv, 8, 4, max_blocks, k_start=ks, width=width
+            )
+            equal(top, want_top, f"top-k pieces={pieces}")
+            equal(blocks, want_blocks, f"blocks pieces={pieces} max_blocks={max_blocks}")
+
+    def consumer():
+        q, w, k, nv = inputs(30, 4, 16, 160, seed=5)
+        g = torch.Generator().manual_seed(6)
+        ids = torch.randint(-1, 45, (30, 7), generator=g).int()  # ≥ 40 blocks: out of range
+        ids[0] = torch.tensor([3, 3, 1, -1, 2, 2, 0])  # duplicates, unsorted
+        ids[1] = -1  # no candidates at all
+        nv[2] = 0
+        for pieces in (None, 3):
+            got, _ = kern.launch_mqa_topk(
+                q, w, k, nv, 8, width=160, config=CFG, pieces=pieces, cap=64,
+                block_ids=ids, block_size=4,
+            )  # fmt: skip
+            equal(got, ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 8, width=160), "consumer")
+
+    def consumer_gather():
+        # Only the published blocks' keys are scored (one row per step, all heads in one product).
+        q, w, k, nv = inputs(30, 4, 16, 160, seed=9)
+        g = torch.Generator().manual_seed(10)
+        ids = torch.randint(-1, 45, (30, 7), generator=g).int()
+        ids[0] = torch.tensor([3, 3, 1, -1, 2, 2, 0])  # duplicates, unsorted
+        ids[1] = -1
+        ks = torch.cat([torch.zeros(10, dtype=torch.long), torch.full((20,), 20)])
+        nv = torch.minimum(nv, 160 - ks)
+        nv[3] = 0
+        want = ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 8, k_start=ks, width=140)
+        for cap in (None, 64):  # 64: the buffer is cut every other tile
+            got, _ = kern.launch_mqa_topk(
+                q, w, k, nv, 8, k_start=ks, width=140, config=CFG, cap=cap,
+                block_ids=ids, block_size=4, consumer="gather",
+            )  # fmt: skip
+            equal(got, want, f"gather cap={cap}")
+
+    def random_floats_tie_aware():
+        g = torch.Generator().manual_seed(7)
+        t, h, d, n, kk = 19, 4, 32, 220, 16
+        q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
+        k = torch.randn(n, d, generator=g)
+        nv = torch.randint(0, n + 1, (t,), generator=g)
+        got, _ = kern.launch_mqa_topk(q, w, k, nv, kk, config=CFG, pieces=2, cap=64)
+        dots = torch.einsum("thd,nd->thn", q.double(), k.double())
+        exact = (torch.relu(dots) * w.double()[..., None]).sum(1)
+        for r in range(t):
+            m = int(nv[r])
+            picked = got[r][got[r] >= 0].long()
+            assert len(picked) == min(m, kk) and torch.all(got[r][len(picked) :] == -1)
+            assert torch.all(picked[1:] > picked[:-1]), "not ascending"
+            if m > kk:
+                chosen = torch.zeros(m, dtype=torch.bool)
+                chosen[picked] = True
+                row = exact[r, :m]
+                assert row[chosen].min() >= row[~chosen].max() - 1e-4, "a larger logit was left out"
+
+    return {name: fn for name, fn in locals().items() if name in CASES}
+
+
+def _main(names: list[str]) -> None:
+    cases = _cases()
+    results = {}
+    for name in names:
+        try:
+            cases[name]()  # type: ignore[operator]
+            results[name] = "ok"
+        except Exception:  # report every case, not only the first failure
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,143 @@
+"""Every CLI input error is a clear message and a non-zero exit, never a traceback (issue 16,
+item 6: the probe's part 1 cases), checked before any work starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4cp.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the case is a machine without GPU")
+
+# (argv, what stderr's last line says); argparse errors and UsageErrors both exit 2.
+CASES = [
+    (["check", "--cp", "100000"], "cp_size 100000 is more than the gloo backend can run here"),
+    (["check", "--cp", "100000", "--cp-backend", "fake"], "at most 64: fake CP runs one thread"),
+    (["check", "--lens", "5,,7"], "argument --lens: empty item in '5,,7'"),
+    (["check", "--lens", "5,"], "argument --lens: empty item in '5,'"),
+    (["check", "--lens", "0"], "argument --lens: expected positive integers, got 0"),
+    (["check", "--lens", "-5"], "argument --lens: expected positive integers, got -5"),
+    (["check", "--tol", "-1"], "argument --tol: expected a finite number >= 0.0, got -1.0"),
+    (["check", "--tol", "nan"], "argument --tol: expected a finite number >= 0.0, got nan"),
+    (["check", "--tol", "inf"], "argument --tol: expected a finite number >= 0.0, got inf"),
+    (["check", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
+    (["check", "--timeout", "0"], "argument --timeout: expected a finite number > 0.0"),
+    (["check", "--timeout", "-1", "--cp-backend", "fake"], "argument --timeout: expected a"),
+    (["check", "--timeout", "nan"], "argument --timeout: expected a finite number > 0.0"),
+    (["check", "--seed", str(10**23)], "argument --seed: expected a seed in [0, 2**32)"),
+    (["check", "--seed", "-7"], "argument --seed: expected a seed in [0, 2**32), got -7"),
+    (["check", "--lens", "100000", "--cp-backend", "fake"], "too large for the CPU reference"),
+    (["check", "--lens", "9000,9000"], "use --device cuda, shorter prompts, or --allow-large"),
+    (["check", "--lens", "5", "--prefix", "5"], "prefix 5 must be in [0, 5)"),
+    (["check", "--chunk", "-3"], "chunk must be >= 0"),
+    (["check", "--multistream"], "--multistream and --graphs need --device cuda"),
+    (["demo", "--timeout", "0"], "argument --timeout: expected a finite number > 0.0"),
+    (["demo", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
+    (["demo", "--lens", "30", "--prefix", "0,1"], "--prefix needs one value per length"),
+    (["demo", "--graphs"], "--multistream and --graphs need --device cuda"),
+    (["profile", "--lens", "0"], "argument --lens: expected positive integers, got 0"),
+    (["profile", "--lens", "-4"], "argument --lens: expected positive integers, got -4"),
+    (["profile", "--lens", "20000"], "too large for the CPU reference"),
+    (["profile", "--graphs"], "--multistream and --graphs need --device cuda"),
+    (["profile", "--lens", "4", "--out", "/proc/dsv4cp-x"], "/proc/dsv4cp-x: cannot create"),
+    (["export-tiny", "/proc/dsv4cp-x"], "/proc/dsv4cp-x: cannot create the directory"),
+    (["export-tiny", "/tmp", "--seed", str(2**128)], "argument --seed: expected a seed in"),
+    (
+        ["accuracy", "--base-url", "http://127.0.0.1:1", "--model-path", "/nonexistent"],
+        "/nonexistent",
+    ),
+]
+GPU_CASES = [
+    (["check", "--device", "cuda"], "--device cuda: no CUDA device is available"),
+    (["check", "--device", "cuda", "--cp-backend", "fake"], "--device cuda: no CUDA device"),
+    (["demo", "--device", "cuda"], "--device cuda: no CUDA device is available"),
+    (["profile", "--device", "cuda"], "--device cuda: no CUDA device is available"),
+]
+
+
+def _exit(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse
+        return int(e.code or 0)
+
+
+def _one_error(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    rc = _exit(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"dsv4cp {argv[0]}: ") and message in last, last
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_input_error_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    _one_error(argv, message, capsys)
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv,message", GPU_CASES, ids=[" ".join(a) for a, _ in GPU_CASES])
+def test_absent_gpu_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    _one_error(argv, message, capsys)
+
+
+@pytest.mark.parametrize("target", ["file", "file/sub"])
+def test_outputs_that_are_files(target: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "file").write_text("x")
+    out = str(tmp_path / target)
+    for argv in (["export-tiny", out], ["profile", "--lens", "4", "--out", out]):
+        want = "exists and is not a directory" if target == "file" else "cannot create"
+        _one_error(argv, want, capsys)
+
+
+def test_export_refuses_a_directory_holding_another_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    (d / "README.md").write_text("kept")
+    _one_error(["export-tiny", str(d)], "holds another checkpoint's weights", capsys)
+    assert (d / "model.safetensors.index.json").exists()
+    assert main(["export-tiny", str(d), "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "removed" in out and "model.safetensors.index.json" in out
+    assert sorted(p.name for p in d.glob("*.safetensors*")) == ["model.safetensors"]
+    assert (d / "README.md").read_text() == "kept"
+    assert main(["export-tiny", str(d)]) == 0  # its own files are overwritten, as before
+    assert json.loads((d / "config.json").read_text())["model_type"]
+
+
+def test_demo_lens_alone_does_not_blame_the_default_prefix(capsys: pytest.CaptureFixture) -> None:
+    argv = ["demo", "--cp", "2", "--cp-backend", "fake", "--lens", "30", "--chunk", "0"]
+    assert main(argv) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_failed_cp_run_is_reported_without_a_traceback() -> None:
+    # A 1 ms collective timeout: the gloo ranks cannot even connect; the launcher's summary is
+    # printed (not a Python traceback) and the exit status is 1.
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4cp", "check", "--cp", "2", "--lens", "5", "--timeout", "0.001"],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "python")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "dsv4cp check: CP launch failed (backend gloo, cp_size 2, timeout 0.001s)" in proc.stderr
