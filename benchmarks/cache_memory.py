@@ -18,6 +18,7 @@ Without `--smoke` it needs CUDA.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.layers.attention import DeepseekV41Attention
+from dsv4cp.layers.linear import Linear
 from dsv4cp.model import init_random_
 
 GIB = 2**30
@@ -45,17 +47,26 @@ def _count(text: str) -> int:
 def build_layers(
     cfg: DeepseekV41Config, n: int, dtype: torch.dtype, device: str
 ) -> list[DeepseekV41Attention]:
-    """Layers 0…n−1 in qat with random weights (fp8 weights keep their unit block scales)."""
+    """Layers 0…n−1 in qat with random weights in the checkpoint's storage (Flash: fp8 with
+    block scales, so the weights take what a released checkpoint takes): dense weights as the
+    model's init; fp8 ones N(0, 1) codes with the power-of-two scale nearest 1/√fan_in."""
     layers = [
         DeepseekV41Attention(cfg, i, dtype=dtype, device=device, quant="qat") for i in range(n)
     ]
-    weights = {
+    fp8 = [m for a in layers for m in a.modules() if isinstance(m, Linear) and m.scale is not None]
+    dense = {
         f"layers.{a.layer}.attn.{name}": t
         for a in layers
         for name, t in a.checkpoint_weights().items()
-        if not name.endswith(".scale")
+        if t.dtype != torch.float8_e4m3fn and not name.endswith(".scale")
     }
-    init_random_(weights, cfg, 0, device=device)
+    init_random_(dense, cfg, 0, device=device)
+    g = torch.Generator(device=device).manual_seed(1)
+    for m in fp8:
+        assert m.scale is not None
+        codes = torch.randn(m.weight.shape, generator=g, device=device)
+        m.weight.copy_(codes.to(m.weight.dtype))
+        m.scale.view(torch.uint8).fill_(127 + round(-0.5 * math.log2(m.in_features)))
     return layers
 
 

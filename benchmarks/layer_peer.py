@@ -111,6 +111,8 @@ def fill_random_(cache: KVCache, seed: int) -> None:
     storage (quantized codes) random bytes without fp8 NaN codes, scale bytes near 2^0."""
     g = torch.Generator(device=cache.device).manual_seed(seed)
     for name, t in sorted(cache.state_dict_view().items()):
+        if name == "swa_page_table":  # addressing, not key storage
+            continue
         if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
             t.normal_(generator=g)
         elif t.is_floating_point():  # fp8 storage
@@ -141,11 +143,38 @@ def make_context(
 # ------------------------------------------------------------------------------ the layer's parts
 
 
+def index_workspace(layer: DeepseekV41Attention, ctx: ForwardContext) -> torch.Tensor:
+    """The ratio's index keys as a dense workspace [entries, D_I] (decoded from the kv source's
+    index cache): what the fused kernels read. The layer itself reads the cache through the
+    entries' rows (`mqa_logits_cached`), so this gather is the fused path's extra cost."""
+    cache, r = ctx.cache, layer.role.ratio
+    src = layer.role.kv_source
+    assert src is not None
+    rows = cache.entry_rows(r, ctx.meta.workspaces[r].slots)
+    return cache.decode("index", cache.index[src][rows]).to(cache.dtype)
+
+
+def dense_attention_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`sparse_attention_cached`'s arguments as `sparse_attention`'s (q, kv, indices, sink,
+    scale): the rows it reads decoded into one dense bf16 KV (what FlashMLA and the dense
+    Triton kernel take)."""
+    q, swa, win, comp, comp_idx, sink, scale, swa_fmt, comp_fmt = args[:9]
+    d = q.shape[-1]
+    from dsv4cp.ops.kv_format import decode_rows
+
+    parts, idx = [decode_rows(swa, swa_fmt, d).to(q.dtype)], [win]
+    if comp is not None:
+        parts.append(decode_rows(comp, comp_fmt, d).to(q.dtype))
+        idx.append(torch.where(comp_idx >= 0, comp_idx + swa.shape[0], -1))
+    return q, torch.cat(parts), torch.cat(idx, 1).to(torch.int32), sink, scale
+
+
 def fused_logits_topk(layer: DeepseekV41Attention, st: PrepareState) -> None:
-    """The index node with the fused logits + selection ops: the layer's call-site change."""
+    """The index node with the fused logits + selection ops: the layer's call-site change
+    (here over a dense index-K workspace gathered from the cache first)."""
     ctx = st.ctx
     cfg, r = layer.config, layer.role.ratio
-    args = (st["idx_q"], st["idx_w"], ctx.cross.index_k_ws[r], ctx.local.n_visible(r))
+    args = (st["idx_q"], st["idx_w"], index_workspace(layer, ctx), ctx.local.n_visible(r))
     kw: dict[str, Any] = dict(
         k_start=ctx.workspace_start(r), width=max(ctx.meta.workspaces[r].max_entries, 1)
     )
@@ -171,12 +200,12 @@ def patched(
     attention: Callable[..., torch.Tensor] | None = None,
 ) -> Iterator[None]:
     """Run `layer` with its index node and/or its sparse attention call replaced."""
-    if not hasattr(layer_module, "sparse_attention") or not hasattr(layer, "_logits_topk"):
+    if not hasattr(layer_module, "sparse_attention_cached") or not hasattr(layer, "_logits_topk"):
         raise RuntimeError(
-            "layers/attention.py no longer has `sparse_attention` / `_logits_topk`: "
+            "layers/attention.py no longer has `sparse_attention_cached` / `_logits_topk`: "
             "update benchmarks/layer_peer.py's patch points"
         )
-    saved = layer_module.sparse_attention
+    saved = layer_module.sparse_attention_cached
     try:
         if logits_topk is not None:
 
@@ -186,12 +215,12 @@ def patched(
             layer._logits_topk = _logits_topk  # type: ignore[method-assign]
             layer.schedules.clear()
         if attention is not None:
-            layer_module.sparse_attention = attention
+            layer_module.sparse_attention_cached = attention
         yield
     finally:
         layer.__dict__.pop("_logits_topk", None)
         layer.schedules.clear()
-        layer_module.sparse_attention = saved
+        layer_module.sparse_attention_cached = saved
 
 
 def gemm_chain(layer: DeepseekV41Attention, x: torch.Tensor) -> tuple[Callable[[], None], float]:
@@ -204,26 +233,27 @@ def gemm_chain(layer: DeepseekV41Attention, x: torch.Tensor) -> tuple[Callable[[
     entries = t // role.ratio if role.owns_compressor else 0
     latent = torch.randn(entries, d, device=dev, dtype=dt)
     # F.linear(a [m, k], W [n, k]) is 2·m·W.numel() FLOPs; the grouped wo_a einsum likewise.
-    flops = 2.0 * t * (layer.wqkv_a.numel() + layer.wq_b.numel())
-    flops += 2.0 * t * (layer.wo_a.numel() + layer.wo_b.numel())
+    wqkv_a, wq_b, wo_b = layer.wqkv_a.weight, layer.wq_b.weight, layer.wo_b.weight  # dense here
+    flops = 2.0 * t * (wqkv_a.numel() + wq_b.numel())
+    flops += 2.0 * t * (layer.wo_a.numel() + wo_b.numel())
     if role.owns_compressor:
         flops += 2.0 * t * layer.comp_wkv.numel() + 2.0 * entries * layer.idx_wk.numel()
     if role.index_source:
-        flops += 2.0 * t * (layer.idx_wq_b.numel() + layer.idx_weights_proj.numel())
+        flops += 2.0 * t * (layer.idx_wq_b.weight.numel() + layer.idx_weights_proj.numel())
 
     def run() -> None:
-        F.linear(x, layer.wqkv_a)
+        F.linear(x, wqkv_a)
         if role.owns_compressor:
             if role.ratio == 2:
                 routing.linear_fp32(x, layer.comp_wkv)
             else:
                 F.linear(x, layer.comp_wkv)
             F.linear(latent, layer.idx_wk)
-        F.linear(q_lora, layer.wq_b)
+        F.linear(q_lora, wq_b)
         if role.index_source:
-            F.linear(q_lora, layer.idx_wq_b)
+            F.linear(q_lora, layer.idx_wq_b.weight)
             F.linear(x, layer.idx_weights_proj)
-        ops.grouped_output(o, layer.wo_a, layer.wo_b, cfg.o_groups)
+        ops.grouped_output(o, layer.wo_a, wo_b, cfg.o_groups)
 
     return run, flops
 
@@ -315,7 +345,7 @@ class Run:
             record["idx"] = PrepareState(st.ctx, idx_q=st["idx_q"], idx_w=st["idx_w"])
             DeepseekV41Attention._logits_topk(lay, st)
 
-        routed = layer_module.sparse_attention
+        routed = layer_module.sparse_attention_cached
 
         def record_attention(*a: Any) -> torch.Tensor:
             record["attn"] = a
@@ -337,7 +367,7 @@ class Run:
         row["dsv4cp_indexer"] = "fused" if fused else ("layer" if role.index_source else "-")
         self.components(row, ctx, layer, record)
         if self.peer:
-            self.peer_time(row, ctx, x, layer)
+            self.peer_time(row, ctx, x, layer, record)
         run, flops = gemm_chain(layer, x)
         row["gemm_ms"] = self.timer(run)[0]
         row["gemm_tflops"] = flops / (row["gemm_ms"] * 1e-3) / 1e12
@@ -353,7 +383,7 @@ class Run:
         self, row: dict[str, Any], ctx: ForwardContext, layer: DeepseekV41Attention, rec: dict
     ) -> None:
         cfg, role = layer.config, layer.role
-        q, kv, idx, sink, scale = rec["attn"]
+        q, kv, idx, sink, scale = dense_attention_args(rec["attn"])
         valid = int((idx >= 0).sum().item())
         row["attn_keys_per_row"] = valid / max(1, idx.shape[0])
         row["attn_flops"] = 2.0 * layer.n_heads * (2 * layer.head_dim) * valid
@@ -396,7 +426,7 @@ class Run:
         from dsv4cp.kernels.indexer_topk import launch_mqa_topk
 
         cfg, role, r = layer.config, layer.role, layer.role.ratio
-        args = (st["idx_q"], st["idx_w"], ctx.cross.index_k_ws[r], ctx.local.n_visible(r))
+        args = (st["idx_q"], st["idx_w"], index_workspace(layer, ctx), ctx.local.n_visible(r))
         kw: dict[str, Any] = dict(
             k_start=ctx.workspace_start(r),
             width=max(ctx.meta.workspaces[r].max_entries, 1),
@@ -420,20 +450,35 @@ class Run:
         return out
 
     def peer_time(
-        self, row: dict[str, Any], ctx: ForwardContext, x: torch.Tensor, layer: DeepseekV41Attention
+        self,
+        row: dict[str, Any],
+        ctx: ForwardContext,
+        x: torch.Tensor,
+        layer: DeepseekV41Attention,
+        rec: dict[str, Any],
     ) -> None:
         saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
-        attention = sglang_peer.flashmla_sparse_attention if self.flashmla else ops.sparse_attention
+        dense_attention = (
+            sglang_peer.flashmla_sparse_attention if self.flashmla else ops.sparse_attention
+        )
+        # the peer attends over its bf16 workspace, built (and timed) apart below
+        dense = dense_attention_args(rec["attn"])
+
+        def attention(*_: Any) -> torch.Tensor:
+            return dense_attention(*dense)
+
         index = sglang_peer.peer_logits_topk if layer.role.index_source else None
         with patched(layer, logits_topk=index, attention=attention):
             row["peer_layer_ms"] = self.timer(lambda: layer.forward(x, ctx), graph=False)[0]
         ctx.cross.topk.update(saved[0])
         ctx.cross.candidates.update(saved[1])
         swa, comp = sglang_peer.workspace_rows(layer, ctx)
-        pool = ctx.cache.kv_pool
-        row["peer_workspace_ms"] = self.timer(lambda: pool.index_select(0, swa))[0]
-        if comp is not None:
-            row["peer_workspace_ms"] += self.timer(lambda: pool.index_select(0, comp))[0]
+        cache, src = ctx.cache, layer.role.kv_source
+        swa_pool = cache.swa[layer.layer]
+        row["peer_workspace_ms"] = self.timer(lambda: swa_pool.index_select(0, swa))[0]
+        if comp is not None and src is not None:
+            comp_pool = cache.compressed[src]
+            row["peer_workspace_ms"] += self.timer(lambda: comp_pool.index_select(0, comp))[0]
         row["peer_ms"] = row["peer_layer_ms"] + row["peer_workspace_ms"]
 
     # -------------------------------------------------------------- per case

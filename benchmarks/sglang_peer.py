@@ -97,7 +97,9 @@ def peer_logits_topk(layer: Any, st: Any) -> None:
         (t, cfg.candidate_topk_blocks), -1, dtype=torch.int32, device=lens.device
     )
     if lc > 0:
-        keys = ctx.cross.index_k_ws[r][:lc]
+        src = layer.role.kv_source
+        rows = ctx.cache.entry_rows(r, ctx.meta.workspaces[r].slots[:lc])
+        keys = ctx.cache.decode("index", ctx.cache.index[src][rows]).to(ctx.cache.dtype)
         k = min(k_top, lc)
         for rows, s in score_chunks(st["idx_q"], st["idx_w"], keys, lens):
             if layer.role.candidate_consumer:
@@ -140,17 +142,19 @@ def flashmla_sparse_attention(
 
 
 def workspace_rows(layer: Any, ctx: Any) -> tuple[Tensor, Tensor | None]:
-    """kv_pool rows SGLang dequantizes into its bf16 workspace for this layer: the request's
-    SWA rows from the first window position to the chunk's end (every layer), and, on a kv
-    source, every compressed entry of the request (shared by the layers reading that source)."""
+    """Cache rows SGLang dequantizes into its bf16 workspace for this layer: the request's rows
+    of the layer's SWA cache from the first window position to the chunk's end (every layer),
+    and, on a kv source, every compressed entry of the request in its compressed cache (shared
+    by the layers reading that source)."""
     cache, meta = ctx.cache, ctx.meta
     tok = meta.tokens
     first = int(tok.start[0].item())
     end = int(tok.end[0].item())
     lo = max(0, first - layer.window + 1)
     pos = torch.arange(lo, end, device=cache.device)
-    swa = cache.req_to_token[int(tok.req_row[0].item()), pos] + cache.swa_base(layer.layer)
+    swa = cache.swa_rows(cache.req_to_token[int(tok.req_row[0].item()), pos])
     comp = None
     if layer.role.owns_compressor:
-        comp = meta.workspaces[layer.role.ratio].slots + cache.comp_base(layer.layer)
+        r = layer.role.ratio
+        comp = cache.entry_rows(r, meta.workspaces[r].slots)
     return swa, comp
