@@ -76,6 +76,8 @@ class KVCache:
             if r.owns_compressor and r.ratio == 2
         }
         self.pair_gate = {k: torch.zeros_like(v) for k, v in self.pair_kv.items()}
+        # The raw token id at each slot: Engram's n-gram history (layers/engram_hashes.py).
+        self.token_ids = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         if req_to_token is None:
             req_to_token = torch.zeros(
                 max_requests, max_context, dtype=torch.long, device=self.device

@@ -1,4 +1,4 @@
-"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy.
+"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy, reference-check.
 
 Each subcommand lives in `dsv4cp/commands/<name>_cmd.py` with `add_parser(subparsers)` and
 `run(args) -> int`; this file only dispatches.
@@ -17,6 +17,7 @@ COMMANDS = {
     "profile": "dsv4cp.commands.profile_cmd",
     "export-tiny": "dsv4cp.commands.export_tiny_cmd",
     "accuracy": "dsv4cp.commands.accuracy_cmd",
+    "reference-check": "dsv4cp.commands.reference_check_cmd",
 }
 
 

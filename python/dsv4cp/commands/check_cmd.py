@@ -1,4 +1,5 @@
-"""`dsv4cp check`: the tiny model at CP=N against CP=1, largest differences per layer."""
+"""`dsv4cp check`: a model at CP=N against CP=1, largest differences per layer (the tiny config
+with mHC + MoE, or `--checkpoint DIR`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
+from dsv4cp.commands.common import (
+    add_cp_args,
+    add_model_args,
+    cp_backend,
+    cuda_only_flags_ok,
+    int_list,
+    scenario_from_args,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model")
+    p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model (or a checkpoint)")
     add_cp_args(p)
+    add_model_args(p)
     p.add_argument("--lens", type=int_list, default=(7, 130), help="prompt lengths, e.g. 7,130")
     p.add_argument(
         "--prefix",
@@ -38,14 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+    from dsv4cp.tools.checking import compare, run_cp_scenario, run_scenario, summarize
 
-    try:
-        base = Scenario(
-            lens=args.lens, prefix=args.prefix, chunk=args.chunk, seed=args.seed, device=args.device
-        )
-    except ValueError as e:
-        print(f"dsv4cp check: {e}", file=sys.stderr)
+    base = scenario_from_args(args, "check")
+    if base is None:
         return 2
     if not cuda_only_flags_ok(args, "check"):
         return 2

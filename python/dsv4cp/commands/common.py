@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsv4cp.tools.checking import Scenario
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -66,3 +70,39 @@ def cuda_only_flags_ok(args: argparse.Namespace, command: str) -> bool:
         print(f"dsv4cp {command}: --multistream and --graphs need --device cuda", file=sys.stderr)
         return False
     return True
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--checkpoint / --quant: which model `check` and `demo` run."""
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="a released-format DeepSeek-V4.1 checkpoint (e.g. the tiny reference fixture); "
+        "default: the tiny config with mHC and MoE, random weights",
+    )
+    p.add_argument(
+        "--quant",
+        choices=["none", "qat"],
+        default="none",
+        help="numerics: none (exact fp32/bf16) or qat (the reference's fp8/fp4 steps)",
+    )
+
+
+def scenario_from_args(args: argparse.Namespace, command: str) -> Scenario | None:
+    """The `check` / `demo` scenario of the parsed flags; None (after saying why) if invalid."""
+    from dsv4cp.tools.checking import Scenario
+
+    try:
+        return Scenario(
+            lens=args.lens,
+            prefix=args.prefix,
+            chunk=args.chunk,
+            seed=args.seed,
+            device=args.device,
+            checkpoint=args.checkpoint,
+            quant=args.quant,
+        )
+    except (OSError, ValueError) as e:
+        print(f"dsv4cp {command}: {e}", file=sys.stderr)
+        return None

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
 
-from dsv4cp.commands.common import add_cp_args, cp_backend, cuda_only_flags_ok, int_list
+from dsv4cp.commands.common import (
+    add_cp_args,
+    add_model_args,
+    cp_backend,
+    cuda_only_flags_ok,
+    int_list,
+    scenario_from_args,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="CP prefill of the tiny model: agreement and stage times")
     add_cp_args(p)
+    add_model_args(p)
     p.add_argument("--lens", type=int_list, default=(96, 300), help="prompt lengths")
     p.add_argument("--prefix", type=int_list, default=(0, 40), help="cached prefix per prompt")
     p.add_argument("--chunk", type=int, default=128, help="chunked-prefill size (0 = one chunk)")
@@ -35,22 +42,11 @@ def _stage_table(rows: list[tuple[str, float, int]], title: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.config import DeepseekV41Config
     from dsv4cp.observe.timing import StageTimer
-    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+    from dsv4cp.tools.checking import compare, run_cp_scenario, run_scenario, summarize
 
-    cfg = DeepseekV41Config.tiny()
-    try:
-        sc = Scenario(
-            lens=args.lens,
-            prefix=args.prefix,
-            chunk=args.chunk,
-            seed=args.seed,
-            device=args.device,
-            config=cfg,
-        )
-    except ValueError as e:
-        print(f"dsv4cp demo: {e}", file=sys.stderr)
+    sc = scenario_from_args(args, "demo")
+    if sc is None:
         return 2
     backend = cp_backend(args)
     if not cuda_only_flags_ok(args, "demo"):
@@ -63,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
-    print("dsv4cp demo: DeepSeek-V4.1 attention, tiny config (attention-math §11.1), fp32")
+    cfg = sc.config
+    what = sc.checkpoint or "tiny config (attention-math §11.1) + mHC + MoE, random weights"
+    print(f"dsv4cp demo: DeepSeek-V4.1, {what}, {sc.dtype}, quant={sc.quant}")
     print(f"  layers: {', '.join(f'{r.layer}:{r.name}' for r in cfg.layer_roles())}")
     print(
         f"  prompts {list(sc.lens)} tokens, cached prefixes {list(sc.prefix)}, "
