@@ -43,9 +43,9 @@ from dsv4cp.ops.engram_hash import NgramHasher
 logger = logging.getLogger("dsv4cp.loader")
 
 # (what, why, name pattern) of the tensors text prefill does not read.
-SKIPPED = (
-    ("vision", "no vision tower", re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$")),
+SKIPPED = (  # first match wins: a DSpark stage's gate.bias_vl counts as DSpark
     ("DSpark", "no DSpark draft layers", re.compile(r"^mtp\.")),
+    ("vision", "no vision tower", re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$")),
 )
 TOKENIZER_FILE = "tokenizer.json"
 _MAX_LISTED = 20
