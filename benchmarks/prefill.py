@@ -23,6 +23,7 @@ import sys
 import torch
 
 from benchmarks.benchutil import Table, device_info, time_cuda, write_json
+from benchmarks.model_layers import layer_subset_config
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41Model
@@ -46,14 +47,8 @@ class SoloCPGroup:
 
 
 def bench_config() -> DeepseekV41Config:
-    return DeepseekV41Config.flash(
-        num_hidden_layers=6,
-        compress_ratios=(0, 2, 2, 1, 1, 1),
-        kv_source_layer_ids=(1, 3),
-        index_source_layer_ids=(1, 3, 5),
-        candidate_source_layer_id=3,
-        vocab_size=4096,
-    )
+    """Flash dims, one layer per role, one residual stream and a dense FFN: the attention."""
+    return layer_subset_config(blocks=False)
 
 
 def build_model(cfg: DeepseekV41Config) -> DeepseekV41Model:

@@ -40,8 +40,10 @@ def ref(key: str) -> Tensor:
     return fx.reference()[key][0]
 
 
-def _model() -> DeepseekV41Model:
-    model = DeepseekV41Model.from_checkpoint(fx.CHECKPOINT, quant="none", dtype=torch.bfloat16)
+def _model(device: str) -> DeepseekV41Model:
+    model = DeepseekV41Model.from_checkpoint(
+        fx.CHECKPOINT, quant="none", dtype=torch.bfloat16, device=device
+    )
     for block in model.blocks:  # everything but the attention in the reference numerics
         block.quant = "qat"
     return model
@@ -50,15 +52,15 @@ def _model() -> DeepseekV41Model:
 def _attn_from_reference(layer: int) -> Any:
     def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
         ctx: ForwardContext = args[1]
-        rows = ref(f"block{layer}.attn_out")[ctx.local.positions]
+        rows = ref(f"block{layer}.attn_out")[ctx.local.positions.cpu()].to(out.device)
         return rows.to(out.dtype) * ctx.local.valid[:, None].to(out.dtype)
 
     return hook
 
 
-def run_composed(cp: CPGroup, chunks: tuple[int, ...]) -> dict[str, Tensor]:
+def run_composed(cp: CPGroup, chunks: tuple[int, ...], device: str = "cpu") -> dict[str, Tensor]:
     """Block outputs and all logits of the prompt, chunked as asked (global rows, CPU)."""
-    model = _model()
+    model = _model(device)
     handles = [b.attn.register_forward_hook(_attn_from_reference(b.layer)) for b in model.blocks]
     local: dict[str, Tensor] = {}
     seen: dict[str, ForwardContext] = {}
