@@ -26,11 +26,12 @@ from dsv4cp.ops import (
     apply_rope,
     candidate_blocks,
     grouped_output,
-    indexer_queries,
+    grouped_wo_a,
     indexer_weights,
     linear_fp32,
     rms_norm,
     rope_tail_,
+    sparse_attention_qat,
     topk_among_blocks,
 )
 
@@ -46,6 +47,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "compressed_latent": (ops.compressed_latent, "dsv4cp.kernels.compressor"),
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
     "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
+    "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.norm_rope"),
+    "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
 }
 
 
@@ -88,6 +91,8 @@ pair_pool = _route("pair_pool")
 compressed_latent = _route("compressed_latent")
 compressed_key = _route("compressed_key")
 index_key = _route("index_key")
+rope_index_queries = _route("rope_index_queries")
+fp8_linear = _route("fp8_linear")
 
 __all__ = [
     "ENV_FLAG",
@@ -96,9 +101,10 @@ __all__ = [
     "candidate_blocks",
     "compressed_key",
     "compressed_latent",
+    "fp8_linear",
     "grouped_output",
+    "grouped_wo_a",
     "index_key",
-    "indexer_queries",
     "indexer_weights",
     "kernel_backend_requested",
     "kernel_of",
@@ -106,8 +112,10 @@ __all__ = [
     "mqa_logits",
     "pair_pool",
     "rms_norm",
+    "rope_index_queries",
     "rope_tail_",
     "sparse_attention",
+    "sparse_attention_qat",
     "store_swa_k",
     "swa_key",
     "topk_among_blocks",

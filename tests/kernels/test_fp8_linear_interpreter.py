@@ -102,10 +102,10 @@ def _child_cases() -> dict[str, object]:
     def gemm_golden() -> None:
         for tag in ("exact", "random"):
             x, w, s = (golden[f"gemm.{tag}.{k}"] for k in ("x", "w8", "w8.scale"))
-            got = kernel.fp8_linear(x, w, s, out_dtype=torch.float32, config=(16, 32, 4, 1))
+            got = kernel.launch_fp8_linear(x, w, s, out_dtype=torch.float32, config=(16, 32, 4, 1))
             if tag == "exact":
                 assert torch.equal(got, golden["gemm.exact.fp8.f32"])
-                got16 = kernel.fp8_linear(x, w, s, config=(16, 32, 4, 1))
+                got16 = kernel.launch_fp8_linear(x, w, s, config=(16, 32, 4, 1))
                 assert torch.equal(got16, golden["gemm.exact.fp8.bf16"])
             _within_gemm_bound(got, x, w, s)
 
@@ -116,7 +116,7 @@ def _child_cases() -> dict[str, object]:
             w = (torch.randn(n, k) * 64).to(torch.float8_e4m3fn)
             s = torch.randint(120, 130, ops_linear.fp8_scale_shape(n, k), dtype=torch.uint8)
             s = s.view(torch.float8_e8m0fnu)
-            got = kernel.fp8_linear(
+            got = kernel.launch_fp8_linear(
                 x.view(1, m, k), w, s, out_dtype=torch.float32, config=(16, 32, 4, 2)
             )
             assert got.shape == (1, m, n)

@@ -36,6 +36,11 @@ FAST = [
     "swa_key_and_store",
     "compressor_ratio2",
     "compressor_ratio1_and_index_key",
+    "swa_key_qat",
+    "compressed_and_index_key_qat",
+    "fake_quant_adversarial_rows",
+    "index_queries",
+    "mqa_logits_qat",
 ]
 SLOW = ["topk_ties_wide", "attention_real_dims"]
 
@@ -86,8 +91,9 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         pair_pool,
     )
     from dsv4cp.kernels.indexer_logits import launch_mqa_logits
-    from dsv4cp.kernels.norm_rope import store_swa_k, swa_key
+    from dsv4cp.kernels.norm_rope import rope_index_queries, store_swa_k, swa_key
     from dsv4cp.kernels.topk import launch_topk, topk_indices
+    from dsv4cp.ops.attention_quant import fake_quant_index_fp4
     from dsv4cp.ops.rope import YarnScaling
 
     yarn = YarnScaling(16.0, 65536, 32.0, 1.0)
@@ -322,6 +328,95 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         wk, kn = torch.randn(di, d).bfloat16(), torch.randn(di)
         got = index_key(latent, wk, kn, 1e-6, pos, dr, 160000.0, yarn)
         assert torch.equal(got, ops.index_key(latent, wk, kn, 1e-6, pos, dr, 160000.0, yarn))
+
+    def same_bits(a, b):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+            (a.float() - b.float()).abs().max()
+        )
+
+    # qat: the kernels' rounding and fake-quant steps reproduce the twins bit for bit (-0.0 too).
+    def swa_key_qat():
+        torch.manual_seed(15)
+        # D 96 / rope 32: the RoPE tail is whole fp8 blocks; D 64 / rope 16: a block straddles it
+        for t, d, dr in ((13, 96, 32), (9, 64, 16)):
+            x = (torch.randn(t, d) * 3).bfloat16()
+            pos = torch.randint(0, 200000, (t,))
+            w = torch.randn(d).bfloat16()
+            for y, theta in ((None, 10000.0), (yarn, 160000.0)):
+                got = swa_key(x, pos, w, 1e-6, dr, theta, y, quant="qat")
+                same_bits(got, ops.swa_key(x, pos, w, 1e-6, dr, theta, y, quant="qat"))
+            slots = torch.randperm(40)[:t]
+            c1 = torch.full((40, d), 7.0, dtype=torch.bfloat16)
+            c2 = c1.clone()
+            store_swa_k(x, pos, slots, c1, w, 1e-6, dr, 160000.0, yarn, "qat")
+            ops.store_swa_k(x, pos, slots, c2, w, 1e-6, dr, 160000.0, yarn, "qat")
+            same_bits(c1, c2)
+
+    def compressed_and_index_key_qat():
+        torch.manual_seed(16)
+        for n, d, dr, di in ((11, 96, 32, 64), (6, 64, 16, 32)):
+            lat = torch.randn(n, d).bfloat16()
+            pos = torch.arange(n) * 2 + 300
+            got = compressed_key(lat, pos, dr, 160000.0, yarn, quant="qat")
+            same_bits(got, ops.compressed_key(lat, pos, dr, 160000.0, yarn, quant="qat"))
+            wk, kn = (torch.randn(di, d) / 8).bfloat16(), torch.randn(di).bfloat16()
+            got = index_key(lat, wk, kn, 1e-20, pos, dr, 160000.0, yarn, quant="qat")
+            want = ops.index_key(lat, wk, kn, 1e-20, pos, dr, 160000.0, yarn, quant="qat")
+            same_bits(got, want)
+
+    def fake_quant_adversarial_rows():
+        # zeros (amax floors), tiny blocks, e4m3-scale saturation (amax/6 > 448), exact e2m1
+        # midpoints of the scale and -0.0: RoPE off (rope_dim 0 is not allowed: positions 0).
+        d = 64
+        rows = torch.zeros(8, d)
+        rows[1] = 1e-30
+        rows[2] = torch.linspace(-5000, 5000, d)
+        rows[3, ::2] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+        rows[3, 1::2] = -rows[3, ::2]
+        rows[4] = -0.0
+        rows[5] = torch.randn(d) * 2.0**-20
+        rows[6] = torch.randn(d) * 448
+        rows[7, 7] = 3.0
+        lat = rows.bfloat16()
+        pos = torch.zeros(8, dtype=torch.long)
+        got = compressed_key(lat, pos, 16, 10000.0, None, quant="qat")
+        same_bits(got, ops.compressed_key(lat, pos, 16, 10000.0, None, quant="qat"))
+        got = rope_index_queries(lat.view(4, 2 * d), pos[:4], 16, 10000.0, head_dim=d, quant="qat")
+        want = ops.rope_index_queries(
+            lat.view(4, 2 * d), pos[:4], 16, 10000.0, head_dim=d, quant="qat"
+        )
+        same_bits(got, want)
+        got = swa_key(lat, pos, None, 1e-20, 16, 10000.0, None, quant="qat")
+        same_bits(got, ops.swa_key(lat, pos, None, 1e-20, 16, 10000.0, None, quant="qat"))
+
+    def index_queries():
+        torch.manual_seed(17)
+        t, h, di, dr = 7, 4, 64, 16
+        qp = (torch.randn(t, h * di) * 2).bfloat16()
+        pos = torch.randint(0, 5000, (t,))
+        for quant in ("none", "qat"):
+            got = rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
+            want = ops.rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
+            same_bits(got, want)
+
+    def mqa_logits_qat():
+        torch.manual_seed(18)
+        t, h, d, n = 21, 4, 64, 120
+        q = fake_quant_index_fp4(torch.randn(t, h, d).bfloat16())
+        k = fake_quant_index_fp4(torch.randn(n, d).bfloat16())
+        w = torch.randn(t, h) / 8
+        nv = torch.randint(0, 90, (t,))
+        got = launch_mqa_logits(q, w, k, nv, width=96, quant="qat", config=(16, 32, 4, 1))
+        assert torch.equal(got, ops.mqa_logits(q, w, k, nv, width=96, quant="qat"))
+        ks = torch.cat([torch.zeros(8, dtype=torch.long), torch.full((13,), 40)])  # rows kernel
+        nv = torch.minimum(nv, n - ks)
+        got = launch_mqa_logits(
+            q, w, k, nv, k_start=ks, width=64, quant="qat", config=(16, 32, 4, 1)
+        )
+        want = ops.mqa_logits(q, w, k, nv, k_start=ks, width=64, quant="qat")
+        assert torch.equal(got, want)
+        assert not torch.equal(want, ops.mqa_logits(q, w, k, nv, k_start=ks, width=64))
 
     return {name: fn for name, fn in locals().items() if name in FAST + SLOW}
 

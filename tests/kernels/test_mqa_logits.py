@@ -12,6 +12,7 @@ from benchmarks.kernels import mqa_topk
 
 from dsv4cp import ops, routing
 from dsv4cp.kernels.indexer_logits import mqa_logits
+from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,3 +102,20 @@ def test_unsupported_head_dim_raises() -> None:
     q, w, k = _inputs(4, 4, 96, 10)
     with pytest.raises(ValueError, match="power of two"):
         routing.mqa_logits(q, w, k, torch.full((4,), 10, device="cuda"))
+
+
+@pytest.mark.parametrize("k_start", [False, True])
+def test_qat_matches_ops(k_start: bool) -> None:
+    """quant="qat": fake-fp4 q and k (bf16-exact), so every product and (at these scales) every
+    dot is exact in fp32; the bf16 roundings and the in-order head sum are the twin's. Equal up
+    to one bf16 ulp where a dot would not fit fp32, which these inputs avoid: expect identity."""
+    t, h, d, n = 150, 32, 128, 3000
+    q, w, k = _inputs(t, h, d, n, seed=6)
+    q, k = fake_quant_index_fp4(q), fake_quant_index_fp4(k)
+    ks = torch.full((t,), 500, device="cuda")
+    if k_start:
+        ks[70:] = 1700  # mixed blocks go to the per-row kernel
+    nv = torch.minimum(torch.randint(0, 1300, (t,), device="cuda"), n - ks)
+    out = mqa_logits(q, w, k, nv, k_start=ks, width=1300, quant="qat")
+    want = ops.mqa_logits(q, w, k, nv, k_start=ks, width=1300, quant="qat")
+    assert torch.equal(out, want)

@@ -26,12 +26,13 @@ LAYER_OPS = (
     "rope_tail_",
     "rms_norm",
     "apply_rope",
-    "indexer_queries",
+    "rope_index_queries",
     "indexer_weights",
     "candidate_blocks",
     "topk_among_blocks",
-    "grouped_output",
+    "grouped_wo_a",
     "linear_fp32",
+    "fp8_linear",
 )
 
 

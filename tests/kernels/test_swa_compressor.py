@@ -13,7 +13,7 @@ import torch
 
 from dsv4cp import ops
 from dsv4cp.kernels import compressor as kc
-from dsv4cp.kernels.norm_rope import store_swa_k, swa_key
+from dsv4cp.kernels.norm_rope import rope_index_queries, store_swa_k, swa_key
 from dsv4cp.ops.rope import YarnScaling
 
 pytestmark = [
@@ -89,3 +89,61 @@ def test_compressor_ratio1_and_index_key() -> None:
         kc.index_key(latent, wk, kn, 1e-20, pos, dr, 160000.0, YARN),
         ops.index_key(latent, wk, kn, 1e-20, pos, dr, 160000.0, YARN),
     )
+
+
+# ---------------------------------------------------------------- quant="qat"
+# The quantizers are bit-exact (interpreter tests); on the GPU the fp32 norm / RoPE math before
+# them may round across a bf16 boundary (FMA contraction), which can move one code of a block by
+# one step. So: >= 97% of the elements bitwise equal, and every element within one code step of
+# its block (fp8 e4m3: 2^-3 of the block's amax; fp4 e2m1: two scale units, < 0.7 of the amax).
+FP8_STEP, FP4_STEP = 2.0**-3, 0.7
+
+
+def _quant_close(out: torch.Tensor, ref: torch.Tensor, block: int, step: float) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    o, r = out.float(), ref.float()
+    amax = r.abs().unflatten(-1, (-1, block)).amax(-1, keepdim=True)
+    bound = (step * amax).expand(*amax.shape[:-1], block).flatten(-2)
+    assert torch.all((o - r).abs() <= bound), ((o - r).abs() / bound.clamp_min(1e-30)).max()
+    assert (out == ref).float().mean().item() >= 0.97
+
+
+@pytest.mark.parametrize(("t", "d", "dr"), [(1000, 512, 64), (77, 96, 32), (33, 64, 16)])
+def test_swa_qat(t: int, d: int, dr: int) -> None:
+    x = torch.randn(t, d, device="cuda").bfloat16()
+    pos = torch.randint(0, 1 << 20, (t,), device="cuda")
+    w = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+    for yarn, theta in ((None, 10000.0), (YARN, 160000.0)):
+        got = swa_key(x, pos, w, 1e-20, dr, theta, yarn, quant="qat")
+        want = ops.swa_key(x, pos, w, 1e-20, dr, theta, yarn, quant="qat")
+        _quant_close(got, want, 32, FP8_STEP)
+    slots = torch.randperm(3 * t, device="cuda")[:t]
+    c1 = torch.zeros(3 * t, d, device="cuda", dtype=torch.bfloat16)
+    c2 = c1.clone()
+    store_swa_k(x, pos, slots, c1, w, 1e-20, dr, 10000.0, None, "qat")
+    ops.store_swa_k(x, pos, slots, c2, w, 1e-20, dr, 10000.0, None, "qat")
+    _quant_close(c1, c2, 32, FP8_STEP)
+
+
+@pytest.mark.parametrize(("n", "d", "dr", "di"), [(513, 512, 64, 128), (7, 64, 16, 32)])
+def test_compressed_and_index_key_qat(n: int, d: int, dr: int, di: int) -> None:
+    lat = torch.randn(n, d, device="cuda").bfloat16()
+    pos = torch.arange(n, device="cuda") * 4
+    got = kc.compressed_key(lat, pos, dr, 160000.0, YARN, quant="qat")
+    _quant_close(got, ops.compressed_key(lat, pos, dr, 160000.0, YARN, quant="qat"), 16, FP4_STEP)
+    wk = (torch.randn(di, d, device="cuda") / 20).bfloat16()
+    kn = (torch.rand(di, device="cuda") + 0.5).bfloat16()
+    got = kc.index_key(lat, wk, kn, 1e-20, pos, dr, 160000.0, YARN, quant="qat")
+    want = ops.index_key(lat, wk, kn, 1e-20, pos, dr, 160000.0, YARN, quant="qat")
+    _quant_close(got, want, 32, FP4_STEP)
+
+
+def test_index_queries_qat() -> None:
+    t, h, di, dr = 300, 32, 128, 64
+    qp = torch.randn(t, h * di, device="cuda").bfloat16()
+    pos = torch.randint(0, 1 << 20, (t,), device="cuda")
+    got = rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di, quant="qat")
+    want = ops.rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di, quant="qat")
+    _quant_close(got, want, 32, FP4_STEP)
+    got = rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di)
+    _close(got, ops.rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di))

@@ -11,9 +11,9 @@ import torch
 from dsv4cp.ops import (
     YarnScaling,
     candidate_blocks,
-    indexer_queries,
     indexer_weights,
     mqa_logits,
+    rope_index_queries,
     topk_among_blocks,
     topk_indices,
 )
@@ -42,12 +42,13 @@ def loop_omega() -> list[float]:
 
 
 @pytest.mark.parametrize(("n_heads", "head_dim"), [(4, 64), (2, 32)], ids=["H4-D64", "H2-D32"])
-def test_indexer_queries_match_loop(n_heads: int, head_dim: int) -> None:
+def test_index_queries_match_loop(n_heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(40)
     q_lora = torch.randn(5, 24, generator=gen)
     wq_b = torch.randn(n_heads * head_dim, 24, generator=gen) / 5
     positions = [0, 3, 8, 21, 50]
-    got = indexer_queries(q_lora, wq_b, torch.tensor(positions), DR, THETA, YARN, head_dim=head_dim)
+    pos = torch.tensor(positions)
+    got = rope_index_queries(q_lora @ wq_b.t(), pos, DR, THETA, YARN, head_dim=head_dim)
     assert got.shape == (5, n_heads, head_dim) and got.dtype == torch.float32
     omega, w = loop_omega(), wq_b.double().tolist()
     want = []

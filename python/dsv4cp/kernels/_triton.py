@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels: the interpreter switch and the RNE cast."""
+"""Helpers shared by the Triton kernels: the interpreter switch, the RNE cast and the bit-exact
+rounding steps of the quantizers (power-of-two scales, e4m3)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,24 @@ def to_dtype(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
             x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def pow2_ceil(v):
+    """2^ceil(log2(v)) for v > 0 from the fp32 bits; a subnormal v gives 2^-126."""
+    bits = v.to(tl.int32, bitcast=True)
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    biased = tl.minimum(tl.maximum(biased, 1), 254)
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_rne(v):
+    """fp32 v with |v| ≤ 448 -> the nearest e4m3 value (ties to even), as fp32, sign kept."""
+    mag = tl.abs(v)
+    exponent = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # e4m3 subnormals share the 2^-9 spacing
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # + 1.5·2^23 − 1.5·2^23 rounds mag/ulp (< 16, exact) to an integer, half to even
+    rounded = ((mag / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)

@@ -3,7 +3,9 @@
 compress_store does pair pool (ratio 2) → round to the cache dtype → RMSNorm → round (the latent
 L, also returned) → RoPE at the entry position → write the compressed key at its cache slot, in
 one pass. The ops-shaped twins below run single steps of the same kernel. index_key keeps its
-GEMM in torch (cuBLAS) and fuses the norm and RoPE after it.
+GEMM in torch (cuBLAS) and fuses the norm and RoPE after it. Under quant="qat" compressed_key and
+index_key also round the RoPE output and fake-quantize the row (fp4 / e4m3 per 16, fp4 / ue8m0
+per 32) in the same pass; compress_store has no quant step (not on the layer's path).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
 
 
@@ -56,8 +59,10 @@ def compressed_key(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """Triton twin of ops.compressor.compressed_key: apply_rope(latent) in latent.dtype."""
+    """Triton twin of ops.compressor.compressed_key: apply_rope(latent) in latent.dtype ("qat":
+    then fp4 e2m1 per 16 with e4m3 scales, dequantized)."""
     out = torch.empty_like(latent, memory_format=torch.contiguous_format)
     norm_rope_rows(
         latent,
@@ -67,6 +72,7 @@ def compressed_key(
         theta=theta,
         yarn=yarn,
         norm=False,
+        fake_quant="fp4_e4m3" if check_quant_mode(quant) == "qat" else None,
     )
     return out
 
@@ -80,8 +86,10 @@ def index_key(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """Triton twin of ops.compressor.index_key: GEMM in latent.dtype, then fused norm + rope."""
+    """Triton twin of ops.compressor.index_key: GEMM in latent.dtype, then fused norm + rope
+    ("qat": + fp4 e2m1 per 32 with ue8m0 scales, dequantized)."""
     proj = latent @ wk.to(latent.dtype).t()
     out = torch.empty_like(proj)
     norm_rope_rows(
@@ -94,6 +102,7 @@ def index_key(
         norm_weight=k_norm_weight,
         eps=eps,
         round_mid=True,
+        fake_quant="fp4" if check_quant_mode(quant) == "qat" else None,
     )
     return out
 

@@ -21,34 +21,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.ops.linear import WEIGHT_BLOCK, fp8_scale_shape
 from dsv4cp.ops.quant import scale_to_float
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); not tuned yet (no GPU run so far)
 DEFAULT_CONFIG = (64, 128, 4, 3)
 _ROWS_PER_QUANT_PROGRAM = 4
-
-
-@triton.jit
-def _pow2_ceil(v):
-    """2^ceil(log2(v)) for v > 0 from the fp32 bits; a subnormal v gives 2^-126."""
-    bits = v.to(tl.int32, bitcast=True)
-    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    biased = tl.minimum(tl.maximum(biased, 1), 254)
-    return (biased << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_rne(v):
-    """fp32 v with |v| ≤ 448 -> the nearest e4m3 value (ties to even), as fp32, sign kept."""
-    mag = tl.abs(v)
-    exponent = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, -6)  # e4m3 subnormals share the 2^-9 spacing
-    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    # + 1.5·2^23 − 1.5·2^23 rounds mag/ulp (< 16, exact) to an integer, half to even
-    rounded = ((mag / ulp + 12582912.0) - 12582912.0) * ulp
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
 
 
 @triton.jit
@@ -75,9 +54,9 @@ def _act_quant_kernel(
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
     xb = tl.reshape(x.to(tl.float32), (ROWS, N_BLOCKS, BLOCK))
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)  # ops.quant.FP8_AMAX_FLOOR
-    scale = _pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
+    scale = pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
     v = tl.minimum(tl.maximum(xb / scale[:, :, None], -448.0), 448.0)
-    codes = tl.reshape(_e4m3_rne(v), (ROWS, N_BLOCKS * BLOCK))
+    codes = tl.reshape(e4m3_rne(v), (ROWS, N_BLOCKS * BLOCK))
     tl.store(
         codes_ptr + rows64[:, None] * stride_cm + cols[None, :], codes.to(tl.float8e4nv), mask=ok
     )
@@ -173,6 +152,14 @@ def _fp8_gemm_kernel(
 
 
 def fp8_linear(
+    x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
+    x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float)."""
+    return launch_fp8_linear(x, w, w_scale, out_dtype=out_dtype)
+
+
+def launch_fp8_linear(
     x: Tensor,
     w: Tensor,
     w_scale: Tensor,
@@ -180,8 +167,7 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
-    """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
-    x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float)."""
+    """fp8_linear with an explicit (BLOCK_M, BLOCK_N, num_warps, num_stages) (benchmarks)."""
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
         raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape

@@ -7,6 +7,13 @@ once per program and the per-head query tiles are software-pipelined (cp.async).
 row block's largest n_visible only write -inf. Row blocks whose rows do not share one k_start
 are done by a second, per-row kernel (all heads of one row in one product); it exits at once on
 the other blocks, and it is launched only when k_start is given.
+
+quant="qat" follows `ops.attention_quant.index_scores_qat`: each head's product is rounded to
+bf16, relu'd, multiplied by the bf16-rounded head weight and rounded to bf16 again, the heads are
+added in order 0…H−1 in fp32 (the per-row kernel too, one head at a time), and the sum is rounded
+to bf16. q and k are then fake-fp4 values (bf16-exact), whose products are exact; the tensor
+core's fp32 sum over D equals the twin's exact dot whenever that dot fits fp32 (docs/
+quantization.md, "Index scores and top-k ties").
 """
 
 from __future__ import annotations
@@ -16,12 +23,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
 # --sweep (608 TFLOP/s at T=2048, N=16384, H_I=32 against 560 with 3 stages).
 DEFAULT_CONFIG = (64, 128, 4, 2)
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _qat_term(s, w, EMULATE: tl.constexpr):
+    """bf16(relu(bf16(s)) · w) for fp32 s and bf16-valued w (the reference's bf16 einsum step)."""
+    s = tl.maximum(to_dtype(s, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
+    return to_dtype(s * w, tl.bfloat16, EMULATE).to(tl.float32)
 
 
 @triton.jit
@@ -48,6 +63,8 @@ def _mqa_logits_kernel(
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     # Row blocks that share one k_start (all of them without k_start); the others are left to
     # _mqa_logits_rows_kernel.
@@ -86,9 +103,14 @@ def _mqa_logits_kernel(
                 if UPCAST:
                     qh = qh.to(tl.float32)
                 s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                acc += tl.maximum(s, 0.0) * wh[:, None]
+                if QAT:
+                    acc += _qat_term(s, wh[:, None], EMULATE)
+                else:
+                    acc += tl.maximum(s, 0.0) * wh[:, None]
                 q_ptrs += stride_qh
                 w_ptrs += 1
+        if QAT:
+            acc = to_dtype(acc, tl.bfloat16, EMULATE).to(tl.float32)
         visible = cols[None, :] < nvis[:, None]
         tl.store(
             out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
@@ -120,6 +142,8 @@ def _mqa_logits_rows_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     # Row blocks whose rows do not share one k_start: one row at a time, all heads in one product.
     pid_n = tl.program_id(0)
@@ -156,7 +180,14 @@ def _mqa_logits_rows_kernel(
                     qt = qt.to(tl.float32)
                 wt = tl.load(w_ptr + t64 * stride_wt + hh, mask=h_ok, other=0.0)
                 s = tl.dot(qt, kt, input_precision=DOT_PREC)
-                row = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
+                if QAT:
+                    terms = _qat_term(s, wt[:, None], EMULATE)
+                    row = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for h in range(H):  # heads in order, as the main kernel adds them
+                        row += tl.sum(tl.where(hh[:, None] == h, terms, 0.0), 0)
+                    row = to_dtype(row, tl.bfloat16, EMULATE).to(tl.float32)
+                else:
+                    row = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
                 row = tl.where(cols < nv_t, row, float("-inf"))
                 tl.store(out_ptr + t64 * stride_ot + cols, row, mask=cols < WIDTH)
 
@@ -190,9 +221,10 @@ def mqa_logits(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
     """Triton twin of ops.indexer.mqa_logits: fp32 [T, width], -inf for j >= n_visible[t]."""
-    return launch_mqa_logits(q, weights, k, n_visible, k_start=k_start, width=width)
+    return launch_mqa_logits(q, weights, k, n_visible, k_start=k_start, width=width, quant=quant)
 
 
 def launch_mqa_logits(
@@ -203,10 +235,12 @@ def launch_mqa_logits(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
     config: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks)."""
     check_mqa_logits(q, weights, k, n_visible)
+    qat = check_quant_mode(quant) == "qat"
     t, h, d = q.shape
     n = k.shape[0]
     width = n if width is None else int(width)
@@ -217,7 +251,7 @@ def launch_mqa_logits(
         q = q.contiguous()
     if k.stride(1) != 1:
         k = k.contiguous()
-    weights = weights.float()
+    weights = weights.to(torch.bfloat16).float() if qat else weights.float()
     if weights.stride(1) != 1:
         weights = weights.contiguous()
     n_visible = n_visible.contiguous()
@@ -256,6 +290,8 @@ def launch_mqa_logits(
         STAGES=stages,
         UPCAST=upcast,
         DOT_PREC=prec,
+        QAT=qat,
+        EMULATE=interpreting(),
         num_warps=warps,
         num_stages=stages,
     )
@@ -268,6 +304,8 @@ def launch_mqa_logits(
             BLOCK_N=block_n,
             UPCAST=upcast,
             DOT_PREC=prec,
+            QAT=qat,
+            EMULATE=interpreting(),
             num_warps=4,
             num_stages=1,
         )

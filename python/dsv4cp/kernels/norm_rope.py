@@ -1,9 +1,17 @@
-"""Fused norm/RoPE row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → store.
+"""Fused norm/RoPE row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → [round →
+fake quant] → store.
 
 store_swa_k (attention-math §4.3/§5.1) is norm + rope in fp32, cast once, scattered to the cache
 slots. The compressor (§5.2) reuses the same kernel with its pooling and rounding steps switched
 on (dsv4cp.kernels.compressor). Each program takes BLOCK_T rows of D (padded to a power of two)
 and makes one pass: read the row(s) once, write the result once.
+
+quant="qat" (docs/quantization.md): the norm and the RoPE output are rounded to the input's dtype
+and the finished row is fake-quantized in blocks along D, with the quantizers of
+`dsv4cp.ops.quant` done bit for bit (fp8 e4m3 / ue8m0 per 32 for the SWA key, fp4 e2m1 / ue8m0 per
+32 for index queries and keys, fp4 e2m1 / e4m3 per 16 for the compressed key). Blocks may
+straddle the RoPE boundary (D − rope_dim need not be a multiple of the block), so in this mode
+the row is rotated as one tile: each RoPE column also loads its pair partner.
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil, to_dtype
+from dsv4cp.ops.attention_quant import COMPRESSED_KEY_BLOCK, INDEX_BLOCK, SWA_KEY_BLOCK
+from dsv4cp.ops.indexer import check_index_query_proj
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
 if not interpreting():
@@ -24,6 +35,13 @@ else:  # the interpreter has no libdevice; tl.math stands in for it there.
     libdevice = None
 
 MAX_D = 4096
+# fake_quant name -> (QUANT code of the kernel, block along D)
+FAKE_QUANTS = {
+    "fp8": (1, SWA_KEY_BLOCK),
+    "fp4": (2, INDEX_BLOCK),
+    "fp4_e4m3": (3, COMPRESSED_KEY_BLOCK),
+}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # (rows per program, num_warps) for a 512-wide row; benchmarks/kernels.py sweeps it.
 DEFAULT_CONFIG = (8, 4)
 
@@ -56,6 +74,55 @@ def _rsqrt(x, PRECISE: tl.constexpr):
         return libdevice.rsqrt(x)
     else:
         return 1.0 / tl.sqrt(x)
+
+
+@triton.jit
+def _div(a, b, PRECISE: tl.constexpr):
+    """IEEE fp32 division (the GPU's `/` may be approximate; the interpreter's is IEEE)."""
+    if PRECISE:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _e2m1_rne(v):
+    """fp32 v with |v| ≤ 6 -> the nearest e2m1 value, ties to the even code (ops.quant.e2m1_round),
+    sign kept: the grid step is 0.5 below 2, 1 below 4, 2 up to 6."""
+    mag = tl.abs(v)
+    step = tl.where(mag < 2.0, 0.5, tl.where(mag < 4.0, 1.0, 2.0))
+    rounded = ((mag / step + 12582912.0) - 12582912.0) * step  # half to even, as e4m3_rne
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
+
+
+@triton.jit
+def _fake_quant(
+    y,
+    QUANT: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Quantize then dequantize y [BLOCK_T, BLOCK_D] per QBLOCK columns, as dsv4cp.ops.quant:
+    1 = fake_act_quant_fp8, 2 = fake_fp4_quant, 3 = fake_fp4_quant_e4m3_scale (amax floors and
+    fp32 reciprocals of the reference kernels)."""
+    yb = tl.reshape(y, (BLOCK_T, BLOCK_D // QBLOCK, QBLOCK))
+    amax = tl.max(tl.abs(yb), axis=2)
+    if QUANT == 1:
+        s = pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -448.0), 448.0)
+        q = e4m3_rne(v)
+    elif QUANT == 2:
+        s = pow2_ceil(tl.maximum(amax, 7.052316384526264e-38) * (1.0 / 6.0))  # floor 6·2^-126
+        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -6.0), 6.0)
+        q = _e2m1_rne(v)
+    else:
+        a = tl.maximum(amax, 0.01171875)  # floor 6·2^-9
+        s = e4m3_rne(tl.minimum(_div(a, 6.0, PRECISE), 448.0))
+        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -6.0), 6.0)
+        q = _e2m1_rne(v)
+    return tl.reshape(q * s[:, :, None], (BLOCK_T, BLOCK_D))
 
 
 @triton.jit
@@ -96,6 +163,61 @@ def _load_prep(
 
 
 @triton.jit
+def _load_normed(
+    x_ptr,
+    g_ptr,
+    px_ptr,
+    pg_ptr,
+    w_ptr,
+    rows64,
+    cols,
+    ok,
+    w_ok,
+    inv,
+    stride_x,
+    stride_g,
+    stride_px,
+    stride_pg,
+    POOL: tl.constexpr,
+    ROUND_IN: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ROUND_MID: tl.constexpr,
+    DTYPE: tl.constexpr,
+    RDT: tl.constexpr,
+    PRECISE: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """The row values at (rows, cols [1, N]) up to the mid rounding, with the row's 1/rms `inv`:
+    loaded (pooled, rounded in), × inv, × the norm weight, rounded to RDT."""
+    v = _load_prep(
+        x_ptr,
+        g_ptr,
+        px_ptr,
+        pg_ptr,
+        rows64,
+        cols,
+        ok,
+        stride_x,
+        stride_g,
+        stride_px,
+        stride_pg,
+        POOL,
+        ROUND_IN,
+        DTYPE,
+        PRECISE,
+        EMULATE,
+    )
+    if NORM:
+        v = v * inv[:, None]
+        if HAS_W:
+            v = v * tl.load(w_ptr + cols, mask=w_ok, other=0.0).to(tl.float32)
+    if ROUND_MID:
+        v = to_dtype(v, RDT, EMULATE).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr,
     g_ptr,
@@ -126,6 +248,9 @@ def _norm_rope_kernel(
     INVERSE: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     WRITE_MID: tl.constexpr,
+    QUANT: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RDT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -158,13 +283,14 @@ def _norm_rope_kernel(
         PRECISE,
         EMULATE,
     )
+    inv = tl.full([BLOCK_T], 1.0, tl.float32)
     if NORM:
         inv = _rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
         x = x * inv[:, None]
         if HAS_W:
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if ROUND_MID:
-        x = to_dtype(x, dt, EMULATE).to(tl.float32)
+        x = to_dtype(x, RDT, EMULATE).to(tl.float32)
     if WRITE_MID:
         tl.store(
             mid_ptr + rows64[:, None] * stride_mid + cols[None, :],
@@ -176,7 +302,48 @@ def _norm_rope_kernel(
     else:
         dst = rows64
     out_rows = out_ptr + dst[:, None] * stride_out
-    if ROPE:
+    if QUANT != 0:
+        y = x
+        if ROPE:
+            # Each RoPE column c pairs with c ^ 1 (ROPE0 is even): the even one is a, the odd b.
+            is_rope = (cols >= ROPE0) & (cols < D)
+            pc = cols ^ 1
+            xp = _load_normed(
+                x_ptr,
+                g_ptr,
+                px_ptr,
+                pg_ptr,
+                w_ptr,
+                rows64,
+                pc[None, :],
+                r_ok[:, None] & is_rope[None, :],
+                is_rope[None, :],
+                inv,
+                stride_x,
+                stride_g,
+                stride_px,
+                stride_pg,
+                POOL,
+                ROUND_IN,
+                NORM,
+                HAS_W,
+                ROUND_MID,
+                dt,
+                RDT,
+                PRECISE,
+                EMULATE,
+            )
+            freq = tl.load(freq_ptr + (cols - ROPE0) // 2, mask=is_rope, other=0.0)
+            pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
+            cos, sin = _cos_sin(pos[:, None] * freq[None, :], PRECISE)
+            if INVERSE:
+                sin = -sin
+            even = (cols % 2 == 0)[None, :]
+            rot = tl.where(even, x * cos - xp * sin, xp * sin + x * cos)
+            y = tl.where(is_rope[None, :], to_dtype(rot, RDT, EMULATE).to(tl.float32), x)
+        y = _fake_quant(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
+        tl.store(out_rows + cols[None, :], to_dtype(y, dt, EMULATE), mask=ok)
+    elif ROPE:
         tl.store(
             out_rows + cols[None, :],
             to_dtype(x, dt, EMULATE),
@@ -186,51 +353,56 @@ def _norm_rope_kernel(
         p_ok = pair < (D - ROPE0) // 2
         pk = r_ok[:, None] & p_ok[None, :]
         ca = (ROPE0 + 2 * pair)[None, :]
-        a = _load_prep(
+        a = _load_normed(
             x_ptr,
             g_ptr,
             px_ptr,
             pg_ptr,
+            w_ptr,
             rows64,
             ca,
             pk,
+            p_ok[None, :],
+            inv,
             stride_x,
             stride_g,
             stride_px,
             stride_pg,
             POOL,
             ROUND_IN,
+            NORM,
+            HAS_W,
+            ROUND_MID,
             dt,
+            RDT,
             PRECISE,
             EMULATE,
         )
-        b = _load_prep(
+        b = _load_normed(
             x_ptr,
             g_ptr,
             px_ptr,
             pg_ptr,
+            w_ptr,
             rows64,
             ca + 1,
             pk,
+            p_ok[None, :],
+            inv,
             stride_x,
             stride_g,
             stride_px,
             stride_pg,
             POOL,
             ROUND_IN,
+            NORM,
+            HAS_W,
+            ROUND_MID,
             dt,
+            RDT,
             PRECISE,
             EMULATE,
         )
-        if NORM:
-            a = a * inv[:, None]
-            b = b * inv[:, None]
-            if HAS_W:
-                a = a * tl.load(w_ptr + ca, mask=p_ok[None, :], other=0.0).to(tl.float32)
-                b = b * tl.load(w_ptr + ca + 1, mask=p_ok[None, :], other=0.0).to(tl.float32)
-        if ROUND_MID:
-            a = to_dtype(a, dt, EMULATE).to(tl.float32)
-            b = to_dtype(b, dt, EMULATE).to(tl.float32)
         freq = tl.load(freq_ptr + pair, mask=p_ok, other=0.0)
         pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
         angle = pos[:, None] * freq[None, :]
@@ -274,9 +446,13 @@ def norm_rope_rows(
     round_mid: bool = False,
     mid: Tensor | None = None,
     inverse: bool = False,
+    fake_quant: str | None = None,
+    round_dtype: torch.dtype | None = None,
     config: tuple[int, int] | None = None,
 ) -> None:
-    """Launch the fused row kernel; rounding steps round to out.dtype. See the module doc."""
+    """Launch the fused row kernel. See the module doc. round_in rounds to out.dtype; round_mid
+    and, with `fake_quant` (a key of FAKE_QUANTS), the RoPE output round to `round_dtype`
+    (default out.dtype) before the row is fake-quantized."""
     if x.dim() != 2:
         raise ValueError(f"norm/rope kernel: rows must be [T, D], got {tuple(x.shape)}")
     t, d = x.shape
@@ -296,6 +472,12 @@ def norm_rope_rows(
         raise ValueError(f"norm/rope kernel: weight must be [{d}], got {tuple(norm_weight.shape)}")
     if out.stride(1) != 1 or (mid is not None and mid.stride(1) != 1):
         raise ValueError("norm/rope kernel: out and mid need unit stride along D")
+    quant, qblock = FAKE_QUANTS[fake_quant] if fake_quant is not None else (0, 16)
+    if d % qblock:
+        raise ValueError(f"norm/rope kernel: D = {d} is not a multiple of the {qblock} block")
+    rdt = round_dtype or out.dtype
+    if rdt not in _TL_DTYPES:
+        raise ValueError(f"norm/rope kernel: cannot round to {rdt}")
     x = _rows(x)
     g, px, pg = (_rows(p) for p in pool) if pool is not None else (x, x, x)
     for p in (g, px, pg):
@@ -336,6 +518,9 @@ def norm_rope_rows(
         INVERSE=inverse,
         HAS_SLOTS=slots is not None,
         WRITE_MID=mid is not None,
+        QUANT=quant,
+        QBLOCK=qblock,
+        RDT=_TL_DTYPES[rdt],
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         BLOCK_R=max(16, triton.next_power_of_2(max(1, rope_dim // 2))),
@@ -354,8 +539,10 @@ def swa_key(
     theta: float,
     yarn: YarnScaling | None = None,
     out_dtype: torch.dtype | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype."""
+    """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype; "qat":
+    rounded to kv_raw.dtype after each, then fp8 per 32 fake-quantized."""
     out = torch.empty(kv_raw.shape, dtype=out_dtype or kv_raw.dtype, device=kv_raw.device)
     norm_rope_rows(
         kv_raw,
@@ -366,8 +553,15 @@ def swa_key(
         yarn=yarn,
         norm_weight=norm_weight,
         eps=eps,
+        round_mid=_qat(quant),
+        fake_quant="fp8" if _qat(quant) else None,
+        round_dtype=kv_raw.dtype,
     )
     return out
+
+
+def _qat(quant: QuantMode) -> bool:
+    return check_quant_mode(quant) == "qat"
 
 
 def store_swa_k(
@@ -380,6 +574,7 @@ def store_swa_k(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> None:
     """Triton twin of ops.swa.store_swa_k: writes cache[slots] in one pass over kv_raw."""
     norm_rope_rows(
@@ -392,4 +587,35 @@ def store_swa_k(
         norm_weight=norm_weight,
         eps=eps,
         slots=slots,
+        round_mid=_qat(quant),
+        fake_quant="fp8" if _qat(quant) else None,
+        round_dtype=kv_raw.dtype,
     )
+
+
+def rope_index_queries(
+    q_proj: Tensor,
+    positions: Tensor,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+    *,
+    head_dim: int,
+    quant: QuantMode = "none",
+) -> Tensor:
+    """Triton twin of ops.indexer.rope_index_queries: every (token, head) row roped (and under
+    "qat" rounded, then fp4 per 32 fake-quantized) in one pass."""
+    check_index_query_proj(q_proj, head_dim)
+    t, heads = q_proj.shape[0], q_proj.shape[1] // head_dim
+    out = torch.empty(t, heads, head_dim, dtype=q_proj.dtype, device=q_proj.device)
+    norm_rope_rows(
+        q_proj.reshape(t * heads, head_dim),
+        out.view(t * heads, head_dim),
+        positions=positions.repeat_interleave(heads),
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm=False,
+        fake_quant="fp4" if _qat(quant) else None,
+    )
+    return out

@@ -11,6 +11,15 @@ Lanes of the prepare: `default` (projections, the CP gathers, logits/top-k); `q`
 and `indexer` (indexer queries and head weights), compute-only and forked before the gathers so
 they overlap them; `swa` (the SWA key store) and `compressor` (pool/norm/RoPE/store + index K),
 forked after the gathers. Everything joins before the MQA logits (docs/invariants.md, 1–3).
+
+Weights follow the checkpoint (`checkpoint_slots`): with a `quantization` config, `wq_a`/`wkv`
+(fused), `wq_b`, `wo_b` and `indexer.wq_b` are fp8 `Linear`s with their 32×32 block scales, `wo_a`
+is dense (the checkpoint's fp8 dequantized at load), the rest bf16 and `attn_sink` fp32; without
+one (random test models), everything is dense in the model dtype. `quant` picks the numerics:
+"none" exact fp32/bf16 math (fp8 weights dequantized), "qat" the reference's
+(docs/quantization.md): fp8 activations before the fp8 GEMMs, the SWA key fp8, the compressed key
+fp4/e4m3, index queries and keys fp4, index scores in bf16. The caches receive the dequantized
+(fake-quantized) values.
 """
 
 from __future__ import annotations
@@ -25,21 +34,25 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import gather_global
 from dsv4cp.executors import SERIAL, Executor
+from dsv4cp.layers.linear import Linear, Storage
 from dsv4cp.observe.timing import stage
+from dsv4cp.ops.linear import WEIGHT_BLOCK
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.routing import (
     candidate_blocks,
     compressed_key,
     compressed_latent,
-    grouped_output,
+    grouped_wo_a,
     index_key,
-    indexer_queries,
     indexer_weights,
     linear_fp32,
     mqa_logits,
     pair_pool,
     rms_norm,
+    rope_index_queries,
     rope_tail_,
     sparse_attention,
+    sparse_attention_qat,
     store_swa_k,
     topk_among_blocks,
     topk_indices,
@@ -63,10 +76,12 @@ class DeepseekV41Attention(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant: QuantMode = "none",
     ) -> None:
         super().__init__()
         c = config
         self.config, self.layer, self.dtype = c, layer, dtype
+        self.quant = check_quant_mode(quant)
         self.role = c.layer_role(layer)
         self.n_heads, self.head_dim, self.rope_dim = (
             c.num_attention_heads,
@@ -77,19 +92,32 @@ class DeepseekV41Attention(nn.Module):
         self.eps, self.window = c.rms_norm_eps, c.sliding_window
         self.theta, self.yarn = c.compress_rope(self.role.ratio)
         self.scale = c.head_dim**-0.5
-        d, hd = c.hidden_size, c.num_attention_heads * c.head_dim
+        d, hd, rq = c.hidden_size, c.num_attention_heads * c.head_dim, c.q_lora_rank
+        quantized = c.quantization is not None
+        storage: Storage = "fp8" if quantized else "dense"
+        if quantized and rq % WEIGHT_BLOCK:
+            raise ValueError(
+                f"layer {layer}: q_lora_rank {rq} must be a multiple of {WEIGHT_BLOCK} to hold "
+                "wq_a and wkv fused in fp8 blocks"
+            )
+        self.storage = storage
+        plain = torch.bfloat16 if quantized else dtype  # the checkpoint's bf16 tensors
 
-        def w(*shape: int) -> nn.Parameter:
-            return _param(*shape, dtype=dtype, device=device)
+        def w(*shape: int, dt: torch.dtype = plain) -> nn.Parameter:
+            return _param(*shape, dtype=dt, device=device)
 
-        # wq_a and wkv are stored fused (one GEMM, SGLang's wqkv_a); the checkpoint names views.
-        self.wqkv_a = w(c.q_lora_rank + c.head_dim, d)
-        self.q_norm = w(c.q_lora_rank)
-        self.wq_b = w(hd, c.q_lora_rank)
+        def lin(n_in: int, n_out: int) -> Linear:
+            return Linear(n_in, n_out, storage=storage, dtype=dtype, device=device)
+
+        # wq_a and wkv are one fused GEMM (SGLang's wqkv_a); fp8 blocks of 32 rows concatenate
+        # exactly because q_lora_rank is a multiple of 32. The checkpoint names views.
+        self.wqkv_a = lin(d, rq + c.head_dim)
+        self.q_norm = w(rq)
+        self.wq_b = lin(rq, hd)
         self.kv_norm = w(c.head_dim)
-        self.wo_a = w(c.o_groups * c.o_lora_rank, hd // c.o_groups)
-        self.wo_b = w(d, c.o_groups * c.o_lora_rank)
-        self.attn_sink = _param(c.num_attention_heads, dtype=torch.float32, device=device)
+        self.wo_a = w(c.o_groups * c.o_lora_rank, hd // c.o_groups, dt=dtype)  # dense at load
+        self.wo_b = lin(c.o_groups * c.o_lora_rank, d)
+        self.attn_sink = w(c.num_attention_heads, dt=torch.float32)
         if self.role.owns_compressor:
             # ratio 2: [wkv ; wgate] fused, one GEMM with an fp32 result.
             self.comp_wkv = w(c.head_dim * (2 if self.role.ratio == 2 else 1), d)
@@ -97,38 +125,59 @@ class DeepseekV41Attention(nn.Module):
             self.idx_wk = w(c.index_head_dim, c.head_dim)
             self.idx_k_norm = w(c.index_head_dim)
         if self.role.index_source:
-            self.idx_wq_b = w(c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            self.idx_wq_b = lin(rq, c.index_n_heads * c.index_head_dim)
             self.idx_weights_proj = w(c.index_n_heads, d)
         self.schedules: dict[bool, Schedule] = {}  # by overlap_gathers, built when first asked
 
-    def checkpoint_weights(self) -> dict[str, Tensor]:
-        """DeepSeek checkpoint names (under `layers.{i}.attn.`) → views of this layer's weights."""
+    def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:
+        """Checkpoint name → destination tensor (views of this layer's weights), names as in the
+        released checkpoint under `prefix` (e.g. ``"layers.3.attn."``); fp8 weights come with
+        their ``.scale``. Load with ``load_into(slots, reader, list(slots),
+        dequantize=self.checkpoint_dequantize(prefix))``."""
         rq, d = self.config.q_lora_rank, self.head_dim
-        out = {
-            "wq_a.weight": self.wqkv_a[:rq],
-            "wkv.weight": self.wqkv_a[rq:],
-            "q_norm.weight": self.q_norm,
-            "wq_b.weight": self.wq_b,
-            "kv_norm.weight": self.kv_norm,
-            "wo_a.weight": self.wo_a,
-            "wo_b.weight": self.wo_b,
-            "attn_sink": self.attn_sink,
-        }
+        out: dict[str, Tensor] = {}
+
+        def linear(name: str, lin: Linear, rows: slice = slice(None)) -> None:
+            out[f"{prefix}{name}.weight"] = lin.weight[rows]
+            if lin.scale is not None:
+                blocks = slice(
+                    None if rows.start is None else rows.start // WEIGHT_BLOCK,
+                    None if rows.stop is None else rows.stop // WEIGHT_BLOCK,
+                )
+                out[f"{prefix}{name}.scale"] = lin.scale[blocks]
+
+        linear("wq_a", self.wqkv_a, slice(None, rq))
+        linear("wkv", self.wqkv_a, slice(rq, None))
+        out[f"{prefix}q_norm.weight"] = self.q_norm
+        linear("wq_b", self.wq_b)
+        out[f"{prefix}kv_norm.weight"] = self.kv_norm
+        out[f"{prefix}wo_a.weight"] = self.wo_a
+        linear("wo_b", self.wo_b)
+        out[f"{prefix}attn_sink"] = self.attn_sink
         if self.role.owns_compressor:
-            out["compressor.wkv.weight"] = self.comp_wkv[:d]
+            out[f"{prefix}compressor.wkv.weight"] = self.comp_wkv[:d]
             if self.role.ratio == 2:
-                out["compressor.wgate.weight"] = self.comp_wkv[d:]
-            out["compressor.norm.weight"] = self.comp_norm
-            out["indexer.wk.weight"] = self.idx_wk
-            out["indexer.k_norm.weight"] = self.idx_k_norm
+                out[f"{prefix}compressor.wgate.weight"] = self.comp_wkv[d:]
+            out[f"{prefix}compressor.norm.weight"] = self.comp_norm
+            out[f"{prefix}indexer.wk.weight"] = self.idx_wk
+            out[f"{prefix}indexer.k_norm.weight"] = self.idx_k_norm
         if self.role.index_source:
-            out["indexer.wq_b.weight"] = self.idx_wq_b
-            out["indexer.weights_proj.weight"] = self.idx_weights_proj
+            linear("indexer.wq_b", self.idx_wq_b)
+            out[f"{prefix}indexer.weights_proj.weight"] = self.idx_weights_proj
         return out
+
+    def checkpoint_dequantize(self, prefix: str) -> frozenset[str]:
+        """Checkpoint names `load_into` must dequantize: `wo_a` when the checkpoint stores it fp8
+        (DeepSeek's converter does the same; the reference's grouped einsum takes bf16)."""
+        return frozenset({f"{prefix}wo_a.weight"}) if self.storage == "fp8" else frozenset()
+
+    def checkpoint_weights(self) -> dict[str, Tensor]:
+        """`checkpoint_slots` with names relative to ``layers.{i}.attn.``."""
+        return self.checkpoint_slots("")
 
     # ------------------------------------------------------------------ prepare nodes
     def _qkv_a(self, st: PrepareState) -> None:
-        qkv = F.linear(st["x"], self.wqkv_a)
+        qkv = self.wqkv_a(st["x"], self.quant)
         rq = self.config.q_lora_rank
         st["q_raw"], st["kv_raw"] = qkv[:, :rq], qkv[:, rq:]
 
@@ -138,26 +187,26 @@ class DeepseekV41Attention(nn.Module):
             # kv | gate in fp32: one gather carries both (4 KiB/token at D = 512).
             st["comp_kv"] = linear_fp32(x, self.comp_wkv)
         else:
-            st["comp_kv"] = F.linear(x, self.comp_wkv)
+            st["comp_kv"] = F.linear(x, self.comp_wkv.to(x.dtype))
 
     def _q_norm(self, st: PrepareState) -> None:
         st["q_lora"] = rms_norm(st["q_raw"], self.q_norm, self.eps)
 
     def _q_chain(self, st: PrepareState) -> None:
         local = st.ctx.local
-        q = F.linear(st["q_lora"], self.wq_b).view(-1, self.n_heads, self.head_dim)
+        q = self.wq_b(st["q_lora"], self.quant).view(-1, self.n_heads, self.head_dim)
         st["q"] = rope_tail_(q, local.positions, self.rope_dim, self.theta, self.yarn)
 
     def _indexer_qw(self, st: PrepareState) -> None:
         local = st.ctx.local
-        st["idx_q"] = indexer_queries(
-            st["q_lora"],
-            self.idx_wq_b,
+        st["idx_q"] = rope_index_queries(
+            self.idx_wq_b(st["q_lora"], self.quant),
             local.positions,
             self.rope_dim,
             self.theta,
             self.yarn,
             head_dim=self.index_dim,
+            quant=self.quant,
         )
         st["idx_w"] = indexer_weights(st["x"], self.idx_weights_proj, head_dim=self.index_dim)
 
@@ -185,6 +234,7 @@ class DeepseekV41Attention(nn.Module):
             self.rope_dim,
             self.theta,
             self.yarn,
+            self.quant,
         )
         st["swa_cache"] = cache
 
@@ -212,7 +262,9 @@ class DeepseekV41Attention(nn.Module):
         latent = compressed_latent(pooled, self.comp_norm, self.eps, self.dtype)
         entry_pos = tok.entry_positions(r)
         emit = tok.emit_slots(r)
-        ckey = compressed_key(latent, entry_pos, self.rope_dim, self.theta, self.yarn)
+        ckey = compressed_key(
+            latent, entry_pos, self.rope_dim, self.theta, self.yarn, quant=self.quant
+        )
         cache.comp_cache(self.layer)[emit] = ckey.to(cache.dtype)
         ikey = index_key(
             latent,
@@ -223,6 +275,7 @@ class DeepseekV41Attention(nn.Module):
             self.rope_dim,
             self.theta,
             self.yarn,
+            quant=self.quant,
         )
         index_cache = cache.index_k[self.layer]
         index_cache[emit] = ikey.to(index_cache.dtype)
@@ -254,6 +307,7 @@ class DeepseekV41Attention(nn.Module):
                 n_vis[a:b],
                 k_start=k_start[a:b],
                 width=width,
+                quant=self.quant,
             )
             if self.role.candidate_consumer:
                 blocks = ctx.cross.candidates[r][a:b]
@@ -350,12 +404,19 @@ class DeepseekV41Attention(nn.Module):
         with stage("sparse_attention"):
             o = self.attend(st["q"], ctx)
         with stage("output_proj"):
-            return grouped_output(o, self.wo_a, self.wo_b, self.config.o_groups)
+            return self.wo_b(grouped_wo_a(o, self.wo_a, self.config.o_groups), self.quant)
 
     def sparse_indices(self, ctx: ForwardContext) -> Tensor:
-        """[L, W (+ K_top)] int32 rows of the KV pool: the SWA window, then top-k entries."""
+        """[L, W (+ K_top)] int32 rows of the KV pool: the SWA window, then top-k entries.
+
+        Each part lists its keys in ascending position, -1 pads last, as the reference's
+        `get_window_topk_idxs` and sorted top-k do: the fp32 sums of the attention then add the
+        same terms in the same order."""
         local, cache = ctx.local, ctx.cache
-        win = local.window_slots(self.window)
+        win = local.window_slots(self.window)  # positions p, p-1, …, -1 pads last
+        n_win = (win >= 0).sum(dim=1, keepdim=True)
+        j = torch.arange(win.shape[1], device=win.device)
+        win = torch.where(j < n_win, win.gather(1, (n_win - 1 - j).clamp(min=0)), -1)
         parts = [torch.where(win >= 0, win + cache.swa_base(self.layer), -1)]
         src = self.role.kv_source
         if self.role.compressed:
@@ -369,7 +430,9 @@ class DeepseekV41Attention(nn.Module):
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
         local = ctx.local
         idx = self.sparse_indices(ctx)
-        o = sparse_attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
+        # qat: the reference's probability rounding; no kernel has it yet (docs/performance.md)
+        attention = sparse_attention_qat if self.quant == "qat" else sparse_attention
+        o = attention(q, ctx.cache.kv_pool, idx, self.attn_sink, self.scale)
         o = rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
         # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).
         return o * local.valid[:, None, None].to(o.dtype)

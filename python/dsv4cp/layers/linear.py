@@ -1,5 +1,6 @@
 """`Linear`: a weight held exactly as the released checkpoint stores it, applied with
-`dsv4cp.ops.linear.linear` (reference numerics under quant="qat")."""
+`dsv4cp.ops.linear.linear` (reference numerics under quant="qat"); an fp8 weight under "qat" goes
+through `dsv4cp.routing.fp8_linear` (the Triton GEMM on CUDA)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from dsv4cp.ops.linear import WEIGHT_BLOCK, fp4_scale_shape, fp8_scale_shape, linear
-from dsv4cp.ops.quant import QuantMode
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.routing import fp8_linear
 
 Storage = Literal["dense", "fp8", "fp4"]
 _UE8M0_ONE = 127  # biased exponent of 2^0
@@ -66,6 +68,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: Tensor, quant: QuantMode = "qat") -> Tensor:
+        if self.storage == "fp8" and check_quant_mode(quant) == "qat":
+            assert self.scale is not None
+            return fp8_linear(x, self.weight, self.scale, out_dtype=self.dtype)
         out_dtype = None if self.storage == "dense" else self.dtype
         return linear(x, self.weight, self.scale, quant, out_dtype=out_dtype)
 

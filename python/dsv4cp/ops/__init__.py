@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from dsv4cp.ops.attention import sparse_attention
+from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
 from dsv4cp.ops.indexer import (
     candidate_blocks,
-    indexer_queries,
     indexer_weights,
     mqa_logits,
+    rope_index_queries,
     topk_among_blocks,
     topk_indices,
 )
+from dsv4cp.ops.linear import fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
-from dsv4cp.ops.output import grouped_output
+from dsv4cp.ops.output import grouped_output, grouped_wo_a
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 from dsv4cp.ops.swa import store_swa_k, swa_key
@@ -27,18 +29,21 @@ __all__ = [
     "check_quant_mode",
     "compressed_key",
     "compressed_latent",
+    "fp8_linear",
     "grouped_output",
+    "grouped_wo_a",
     "index_key",
-    "indexer_queries",
     "indexer_weights",
     "linear_fp32",
     "mqa_logits",
     "pair_pool",
     "rms_norm",
     "rope_cos_sin",
+    "rope_index_queries",
     "rope_inv_freq",
     "rope_tail_",
     "sparse_attention",
+    "sparse_attention_qat",
     "store_swa_k",
     "swa_key",
     "topk_among_blocks",

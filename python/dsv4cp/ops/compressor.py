@@ -1,11 +1,19 @@
-"""V4.1 kv-source compressor pieces (attention-math §5.2), quant mode "none"."""
+"""V4.1 kv-source compressor pieces (attention-math §5.2).
+
+quant="qat" adds the reference's fp4 steps (DeepSeek-V4.1 `inference/model.py`:
+`Attention._compress_kv` for the compressed key, `Indexer.forward` for the index key); the pooling
+and the latent are the same in both modes (`Compressor.forward`: fp32 pooling, latent rounded to
+the activation dtype before and after its norm).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from dsv4cp.ops.attention_quant import fake_quant_compressed_key_fp4, fake_quant_index_fp4
 from dsv4cp.ops.norm import rms_norm
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope
 
 
@@ -33,9 +41,14 @@ def compressed_key(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """Compressed attention key: latent roped at its entry position j·r (no fake fp4)."""
-    return apply_rope(latent, entry_positions, rope_dim, theta, yarn)
+    """Compressed attention key: latent roped at its entry position j·r, in latent.dtype; under
+    "qat" then all dims fp4 e2m1 per 16 with e4m3 scales, dequantized."""
+    key = apply_rope(latent, entry_positions, rope_dim, theta, yarn)
+    if check_quant_mode(quant) == "qat":
+        return fake_quant_compressed_key_fp4(key)
+    return key
 
 
 def index_key(
@@ -47,9 +60,13 @@ def index_key(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """Index key [n, D_I] = rope(rms_norm(latent @ wkᵀ)); the GEMM and the norm round to latent's
-    dtype."""
+    """Index key [n, D_I] = rope(rms_norm(latent @ wkᵀ)); the GEMM, the norm and RoPE round to
+    latent's dtype; under "qat" then fp4 e2m1 per 32 with ue8m0 scales, dequantized."""
     proj = latent @ wk.to(latent.dtype).t()
     k = rms_norm(proj, k_norm_weight, eps)
-    return apply_rope(k, entry_positions, rope_dim, theta, yarn)
+    key = apply_rope(k, entry_positions, rope_dim, theta, yarn)
+    if check_quant_mode(quant) == "qat":
+        return fake_quant_index_fp4(key)
+    return key

@@ -9,26 +9,39 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 
+from dsv4cp.ops.attention_quant import fake_quant_index_fp4, index_scores_qat
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope
 
 _NEG_INF = float("-inf")
 
 
-def indexer_queries(
-    q_lora: Tensor,
-    wq_b: Tensor,
+def check_index_query_proj(q_proj: Tensor, head_dim: int) -> None:
+    """ValueError unless q_proj is [T, H_I·head_dim]."""
+    if q_proj.dim() != 2 or q_proj.shape[1] % head_dim:
+        raise ValueError(
+            f"rope_index_queries: q_proj must be [T, H_I*{head_dim}], got {tuple(q_proj.shape)}"
+        )
+
+
+def rope_index_queries(
+    q_proj: Tensor,
     positions: Tensor,
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
     *,
     head_dim: int,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """(q_lora @ wq_bᵀ) viewed [T, H_I, head_dim], roped on each head's tail; q_lora.dtype."""
-    if wq_b.shape[0] % head_dim:
-        raise ValueError(f"indexer_queries: wq_b rows {wq_b.shape[0]} not a multiple of {head_dim}")
-    qi = (q_lora @ wq_b.to(q_lora.dtype).t()).view(q_lora.shape[0], -1, head_dim)
-    return apply_rope(qi, positions, rope_dim, theta, yarn)
+    """Index queries [T, H_I, head_dim] from their projection q_proj [T, H_I·head_dim] (the
+    `indexer.wq_b` output): each head's tail roped, in q_proj.dtype; under "qat" then fp4 e2m1
+    per 32 with ue8m0 scales, dequantized (reference `Indexer.forward`)."""
+    check_index_query_proj(q_proj, head_dim)
+    q = apply_rope(q_proj.unflatten(1, (-1, head_dim)), positions, rope_dim, theta, yarn)
+    if check_quant_mode(quant) == "qat":
+        return fake_quant_index_fp4(q)
+    return q
 
 
 def indexer_weights(x: Tensor, weights_proj: Tensor, *, head_dim: int) -> Tensor:
@@ -46,18 +59,25 @@ def mqa_logits(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
     """logits[t, j] = Σ_h weights[t,h]·relu(q[t,h]·k[k_start[t]+j]) for j < n_visible[t], else -inf.
 
     fp32 [T, width]. The caller keeps k_start[t] + n_visible[t] ≤ N (not checked: no host sync).
+    "none": fp32 products and sums. "qat": the reference's bf16 order and precision
+    (`attention_quant.index_scores_qat`: per head bf16(q·k), relu, bf16(· bf16(w)), heads added
+    in order in fp32, one bf16 rounding); q and k are then the fake-fp4 index queries and keys.
     """
     t, h, _ = q.shape
     n = k.shape[0]
     width = n if width is None else width
-    qf, kf, wf = q.float(), k.float(), weights.float()
-    dense = torch.zeros(t, n, dtype=torch.float32, device=q.device)
-    for head in range(h):  # per head keeps memory at [T, N]; the head order is fixed
-        dense = dense + (qf[:, head] @ kf.t()).relu() * wf[:, head, None]
+    if check_quant_mode(quant) == "qat":
+        dense = index_scores_qat(q, k, weights)
+    else:
+        qf, kf, wf = q.float(), k.float(), weights.float()
+        dense = torch.zeros(t, n, dtype=torch.float32, device=q.device)
+        for head in range(h):  # per head keeps memory at [T, N]; the head order is fixed
+            dense = dense + (qf[:, head] @ kf.t()).relu() * wf[:, head, None]
     j = torch.arange(width, device=q.device)
     if n == 0:
         cols = torch.zeros(t, width, dtype=torch.float32, device=q.device)

@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dsv4cp.ops.quant import QuantMode, act_quant_fp8, check_quant_mode, scale_to_float, unpack_fp4
+from dsv4cp.ops.quant import (
+    FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    QuantMode,
+    act_quant_fp8,
+    check_quant_mode,
+    pow2_ceil,
+    scale_to_float,
+    unpack_fp4,
+)
 
 WEIGHT_BLOCK = 32
 FP4_WEIGHT_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
@@ -63,6 +72,25 @@ def dequant_fp8_blocks(w: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> T
     _check_scale(scale, fp8_scale_shape(n, k, block), "dequant_fp8_blocks")
     s = scale_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return w.float() * s
+
+
+def quantize_fp8_blocks(w: Tensor, block: int = WEIGHT_BLOCK) -> tuple[Tensor, Tensor]:
+    """A dense weight [N, K] -> (float8_e4m3fn codes [N, K], float8_e8m0fnu scales
+    [ceil(N/block), ceil(K/block)]): per block, scale 2^⌈log2(max(amax, 1e-4)/448)⌉ and codes
+    rounded to nearest even. The storage of the release's fp8 weights, for random quantized
+    weights (tests, random models); `dequant_fp8_blocks` inverts it up to the e4m3 rounding."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8_blocks: w must be a 2-D float tensor, got {tuple(w.shape)}")
+    n, k = w.shape
+    nb, kb = fp8_scale_shape(n, k, block)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(FP8_AMAX_FLOOR)
+    scale = pow2_ceil(amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
+    codes = (tiles / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    codes = codes.view(nb * block, kb * block)[:n, :k].to(torch.float8_e4m3fn)
+    return codes, scale.to(torch.float8_e8m0fnu)
 
 
 def dequant_fp8_rows(values: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Tensor:

@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 
-def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
-    """y [T, d] = flatten(z) @ wo_bᵀ, z[t,g] = wo_a[g] · o[t, heads of g] rounded to o.dtype."""
+def grouped_wo_a(o: Tensor, wo_a: Tensor, groups: int) -> Tensor:
+    """z [T, G·R_o], z[t,g] = wo_a[g] · o[t, heads of g], in o.dtype (reference
+    `Attention.forward`: a bf16 einsum, fp32 accumulation, one rounding)."""
     t, h, d = o.shape
     if h % groups:
         raise ValueError(f"grouped_output: {h} heads are not divisible into {groups} groups")
@@ -16,14 +17,16 @@ def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor
         raise ValueError(
             f"grouped_output: wo_a must be [G*R_o, {width}] for G={groups}, got {tuple(wo_a.shape)}"
         )
-    rank = wo_a.shape[0] // groups
-    if wo_b.dim() != 2 or wo_b.shape[1] != groups * rank:
-        raise ValueError(
-            f"grouped_output: wo_b must be [d, {groups * rank}], got {tuple(wo_b.shape)}"
-        )
     # In the activations' dtype: bf16 GEMMs accumulate in fp32 and round once (SGLang's bf16
     # einsum on SM90); upcasting the weights would cost a full fp32 copy per call.
     og = o.reshape(t, groups, width)
-    wa = wo_a.to(o.dtype).view(groups, rank, width)
-    z = torch.einsum("tgc,grc->tgr", og, wa)
-    return z.flatten(1) @ wo_b.to(o.dtype).t()
+    wa = wo_a.to(o.dtype).view(groups, wo_a.shape[0] // groups, width)
+    return torch.einsum("tgc,grc->tgr", og, wa).flatten(1)
+
+
+def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
+    """y [T, d] = flatten(z) @ wo_bᵀ, z[t,g] = wo_a[g] · o[t, heads of g] rounded to o.dtype."""
+    z = grouped_wo_a(o, wo_a, groups)
+    if wo_b.dim() != 2 or wo_b.shape[1] != z.shape[1]:
+        raise ValueError(f"grouped_output: wo_b must be [d, {z.shape[1]}], got {tuple(wo_b.shape)}")
+    return z @ wo_b.to(o.dtype).t()

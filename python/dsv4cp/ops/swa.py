@@ -1,11 +1,14 @@
-"""Sliding-window key: RMSNorm then RoPE in fp32, cast once (attention-math §4.3, §5.1)."""
+"""Sliding-window key: RMSNorm then RoPE (attention-math §4.3, §5.1), and under quant="qat" the
+reference's fp8 step (DeepSeek-V4.1 `inference/model.py`, `Attention._window_kv`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from dsv4cp.ops.attention_quant import fake_quant_swa_key_fp8
 from dsv4cp.ops.norm import rms_norm
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope
 
 
@@ -18,8 +21,19 @@ def swa_key(
     theta: float,
     yarn: YarnScaling | None = None,
     out_dtype: torch.dtype | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
-    """apply_rope(rms_norm(kv_raw)) [T, D] with no intermediate rounding; out_dtype or kv_raw's."""
+    """The SWA key [T, D] in out_dtype (default kv_raw's).
+
+    "none": apply_rope(rms_norm(kv_raw)) in fp32, one rounding at the end.
+    "qat": the reference's steps, each rounded to kv_raw.dtype (its activation dtype): the norm,
+    then RoPE on the tail, then all D dims fp8 e4m3 per 32 with ue8m0 scales, dequantized
+    (`fake_quant_swa_key_fp8`). The result is exact in any dtype at least as wide as kv_raw's.
+    """
+    if check_quant_mode(quant) == "qat":
+        k = rms_norm(kv_raw, norm_weight, eps)
+        k = fake_quant_swa_key_fp8(apply_rope(k, positions, rope_dim, theta, yarn))
+        return k.to(out_dtype or kv_raw.dtype)
     k = rms_norm(kv_raw, norm_weight, eps, out_dtype=torch.float32)
     k = apply_rope(k, positions, rope_dim, theta, yarn)
     return k.to(out_dtype or kv_raw.dtype)
@@ -35,7 +49,8 @@ def store_swa_k(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
 ) -> None:
     """Write cache[slots] = swa_key(...) cast to cache.dtype (writes `cache` in place)."""
-    key = swa_key(kv_raw, positions, norm_weight, eps, rope_dim, theta, yarn, cache.dtype)
+    key = swa_key(kv_raw, positions, norm_weight, eps, rope_dim, theta, yarn, cache.dtype, quant)
     cache.index_copy_(0, slots.long(), key)
