@@ -54,18 +54,21 @@ BlockInputHook = Callable[
 
 
 def check_supported(config: DeepseekV41Config, quant: QuantMode) -> None:
-    """Refuse a mode some part of this model does not implement (NotImplementedError)."""
+    """Refuse a mode some part of this model does not implement (NotImplementedError): `qat`
+    needs the released storage (a `quantization` config: fp8 attention projections, fp4 experts)
+    and the MoE; the dense test FFN and dense attention weights have no quantized GEMM."""
     if quant != "qat":
         return
+    if config.quantization is None:
+        raise NotImplementedError(
+            "quant='qat': the config has no quantization_config, so the attention projections "
+            "are dense and would skip the reference's fp8 GEMM steps; use quant='none'"
+        )
     if not config.n_routed_experts:
         raise NotImplementedError(
             "quant='qat': the dense SwiGLU FFN (configs without MoE) has no quantized storage; "
             "only the released MoE is quantized"
         )
-    raise NotImplementedError(
-        "quant='qat': the attention sub-layer does not implement the reference's fp8/fp4 "
-        "numerics on this branch yet; use quant='none'"
-    )
 
 
 class DeepseekV41Model(nn.Module):
@@ -303,6 +306,7 @@ class DeepseekV41Model(nn.Module):
             ctx.local.n_visible(r),
             k_start=ctx.workspace_start(r),
             width=width,
+            quant=attn.quant,
         )
 
     def logits(self, h: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """Chunked prefill, mixed batches and decode all equal one-shot prefill (fp32, 1e-5 relative), for
-the dense tiny decoder and for `tiny_full` (mHC + MoE: their fp32 GEMMs sum in an order that
-depends on the rows per call, tests/model/test_whole_model.py)."""
+the dense tiny decoder and for `tiny_full` (mHC + MoE: the experts' fp32 GEMMs sum in an order
+that depends on the rows per call, tests/model/test_whole_model.py)."""
 
 from __future__ import annotations
 

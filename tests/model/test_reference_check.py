@@ -70,14 +70,42 @@ def test_cp_and_chunks_teacher_force_like_one_shot(none_report, capsys, extra) -
         assert abs(ours["match_share"] - one["match_share"]) <= 1 / 61
 
 
-@pytest.mark.xfail(
-    raises=NotImplementedError,
-    strict=True,
-    reason="the attention's qat numerics are on branch attnqat (merge, then this must pass)",
+@pytest.fixture(scope="module")
+def qat_report() -> dict:
+    return run_reference_check(CheckRun(str(fx.CHECKPOINT), str(REFERENCE)))
+
+
+def test_qat_passes_on_the_fixture(qat_report) -> None:
+    """Measured (docs/model.md): every block 100% of tokens within 1 bf16 ulp but blocks 3 and 4
+    (60/61: position 49, where layer 3's index scores tie in bf16 and the reference's topk
+    picked the other entry); top-k 100% up to that tie; logits rms 3.2%, top-1 60/61 (a 1-ulp
+    MoE summation difference at position 18 flips codes downstream in free running)."""
+    r = qat_report
+    assert r["pass"], r
+    shares = [b["tf_token_agree"] for b in r["blocks"]]
+    assert min(shares) >= 60 / 61 and sum(s == 1.0 for s in shares) >= 5, shares
+    assert all(t["match_share"] == 1.0 for t in r["topk"]), r["topk"]
+    assert sum(t["tie_matches"] for t in r["topk"]) <= 2
+    assert r["logits"]["top1_agree"] >= 60 / 61 and r["logits"]["rms_rel"] <= 0.05
+    assert r["decode"]["first_token_agree"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--cp", "2", "--chunk", "16"),
+        (
+            "--cp",
+            "4",
+        ),
+    ],
 )
-def test_qat_passes_on_the_fixture() -> None:
-    report = run_reference_check(CheckRun(str(fx.CHECKPOINT), str(REFERENCE)))
-    assert report["pass"], report
+def test_qat_on_cp_ranks_and_chunks(qat_report, capsys, extra) -> None:
+    rc, report, _ = _cli(capsys, *extra)
+    assert rc == 0 and report["pass"]
+    for ours, one in zip(report["blocks"], qat_report["blocks"]):
+        assert ours["tf_token_agree"] == one["tf_token_agree"], (ours, one)
+    assert [t["match_share"] for t in report["topk"]] == [1.0, 1.0, 1.0]
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys) -> None:

@@ -4,8 +4,9 @@
    `block{i}.attn_out`): the model's own wiring — embedding, Engram hashed through the slot
    token-id store, hyper-connections, MoE, final collapse, norm, fp32 head — run free (each block
    on our previous block's output) through `PrefillRunner`, one-shot, chunked and on CP ranks,
-   must reproduce every `block{i}.out` and `full_logits`. The attention is the one part this
-   branch cannot run in `qat` (its numerics are another branch's), so it is teacher-forced here.
+   must reproduce every `block{i}.out` and `full_logits`. The attention is teacher-forced here
+   to isolate the composition (the whole model in `qat`, attention included: reference-check,
+   tests/model/test_reference_check.py).
    Tolerance: an element within 1 bf16 ulp of the reference (the reference is defined only up to
    its GEMM summation order), a block passing at >= 95% of tokens with relative rms <= 1e-3
    (free running, a one-ulp difference entering block i grows through the later blocks:

@@ -75,7 +75,7 @@ class DeepseekV41Block(nn.Module):
         d = c.hidden_size
         self.attn_norm = _frozen(d, dtype=dtype, device=device)
         self.ffn_norm = _frozen(d, dtype=dtype, device=device)
-        self.attn = DeepseekV41Attention(c, layer, dtype=dtype, device=device)
+        self.attn = DeepseekV41Attention(c, layer, dtype=dtype, device=device, quant=quant)
         self.ffn: MoE | DenseFFN
         if c.n_routed_experts:
             self.ffn = MoE(c, dtype=dtype, device=device)
@@ -102,8 +102,7 @@ class DeepseekV41Block(nn.Module):
             f"{prefix}attn_norm.weight": self.attn_norm,
             f"{prefix}ffn_norm.weight": self.ffn_norm,
         }
-        for name, t in self.attn.checkpoint_weights().items():
-            slots[f"{prefix}attn.{name}"] = t
+        slots.update(self.attn.checkpoint_slots(f"{prefix}attn."))
         slots.update(self.ffn.checkpoint_slots(f"{prefix}ffn."))
         for hc in (self.hc_attn, self.hc_ffn):
             if hc is not None:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from dsv4cp.ops.linear import dequant_fp4, linear
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
+from dsv4cp.ops.rowwise import rowwise_linear_fp32
 
 ScoringFunc = Literal["sqrtsoftplus", "sigmoid", "softmax"]
 GroupedBackend = Literal["auto", "loop", "grouped_mm"]
@@ -109,7 +110,7 @@ class Routing(NamedTuple):
 
 def gate_scores(x: Tensor, gate_weight: Tensor, *, scoring_func: str, gate_temp: float) -> Tensor:
     """fp32 [T, E] affinities of each token for each routed expert."""
-    logits = F.linear(x.float(), gate_weight.float()) / gate_temp
+    logits = rowwise_linear_fp32(x, gate_weight) / gate_temp  # row-local bit for bit
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":

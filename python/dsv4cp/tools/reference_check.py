@@ -17,8 +17,10 @@ ranks through the CP launcher):
    ties"). Cross-layer state (caches, top-k, candidates) comes from the earlier blocks run the
    same way.
 2. End to end: one plain prefill; `full_logits` relative rms and top-1 agreement. Decode steps
-   are fed the reference's own tokens and reported, not judged (the reference's decode path
-   differs from its prefill by its own batching sensitivity, `summary.json`).
+   are fed the reference's own tokens and reported, not judged: against `decode_logits` (the
+   reference's decode path, which differs from its own prefill by its batching sensitivity,
+   `summary.json`) and, last step, against `prefill_of_decoded_logits` (one-shot vs one-shot:
+   our decode steps extend the prefill exactly).
 
 Pass (`Criteria`, docs/model.md): every block's share of agreeing tokens and every index layer's
 top-k match share at least their minimum, logits within their rms and top-1 bounds.
@@ -325,6 +327,9 @@ def end_to_end(
             "first_token_agree": ours_first == fed[0],
             **logits_agreement(torch.stack(dec), steps),
         }
+        one_shot = ref.get("prefill_of_decoded_logits")
+        if one_shot is not None and dec:  # our decode steps extend the prefill exactly
+            out["decode"]["vs_prefill_of_decoded"] = logits_agreement(dec[-1], one_shot[0])
     return out
 
 
@@ -417,9 +422,14 @@ def format_report(report: dict[str, Any]) -> str:
     if dec:
         first = "same" if dec["first_token_agree"] else "differs"
         lines.append(
-            f"decode (reported, not judged): first token {first}, "
-            f"steps fed the reference's tokens: rms rel {dec['rms_rel']:.3g}, top-1 "
-            f"{dec['top1_agree']:.0%}"
+            f"decode (reported, not judged): first token {first}; steps fed the reference's "
+            f"tokens vs its decode path: rms rel {dec['rms_rel']:.3g}, top-1 {dec['top1_agree']:.0%}"
         )
+        one = dec.get("vs_prefill_of_decoded")
+        if one:
+            lines.append(
+                f"  last step vs the reference's one-shot prefill of prompt + decoded tokens: "
+                f"rms rel {one['rms_rel']:.3g}, top-1 {one['top1_agree']:.0%}"
+            )
     lines.append("PASS" if report["pass"] else "FAIL")
     return "\n".join(lines)
