@@ -423,7 +423,8 @@ def format_report(report: dict[str, Any]) -> str:
         first = "same" if dec["first_token_agree"] else "differs"
         lines.append(
             f"decode (reported, not judged): first token {first}; steps fed the reference's "
-            f"tokens vs its decode path: rms rel {dec['rms_rel']:.3g}, top-1 {dec['top1_agree']:.0%}"
+            f"tokens vs its decode path: rms rel {dec['rms_rel']:.3g}, "
+            f"top-1 {dec['top1_agree']:.0%}"
         )
         one = dec.get("vs_prefill_of_decoded")
         if one:
