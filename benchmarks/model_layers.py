@@ -16,8 +16,10 @@ of 32 experts, so it is not captured). No Engram (its 189 GiB tables) and vocab 
   `torch._scaled_mm` e4m3); `moe_vs_bf16_floor` = MoE time / floor time.
 - equality: `--check-tokens` tokens through the GPU path (routed Triton kernels, `grouped_mm`
   experts) and the torch path (`DSV4CP_KERNELS=torch`, the experts' `loop` backend) on the same
-  weights: relative rms of the final hidden rows and logits, top-1 agreement (bf16: they agree up
-  to rounding and its rare expert-choice flips).
+  weights, in `--check-quant` (default none: the qat twin of 384 fp4 experts is a per-32-block
+  fp64 loop, minutes at these dims): relative rms of the final hidden rows and logits, top-1
+  agreement (bf16: they agree up to rounding and its rare expert-choice flips).
+- `--quant` (default qat, the released numerics) is the mode timed.
 
     PYTHONPATH=python python -m benchmarks.model_layers --tokens 4096,16384 \
         --out out/model_layers.json
@@ -171,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="4096,16384", help="prompt lengths")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=1024, help="GPU vs torch path size")
+    ap.add_argument("--quant", choices=["qat", "none"], default="qat", help="mode timed")
+    ap.add_argument("--check-quant", choices=["qat", "none"], default="none")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (tiny_full config)")
     ap.add_argument("--out", default="out/model_layers.json")
     args = ap.parse_args(argv)
     if args.smoke:
-        device, cfg = "cpu", DeepseekV41Config.tiny_full()
+        quantized = DeepseekV41Config.flash().quantization  # qat needs the released storage
+        device, cfg = "cpu", DeepseekV41Config.tiny_full(quantization=quantized)
         tokens = [64, 192]
         args.check_tokens = min(args.check_tokens, 48)
     else:
@@ -185,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         device, cfg = "cuda", layer_subset_config()
         tokens = [int(v) for v in args.tokens.split(",")]
     t0 = time.perf_counter()
-    model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device=device, seed=None)
+    model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device=device, seed=None, quant=args.quant)
     model.init_random(0, device=device)
     if device == "cuda":
         model.set_moe_backend("grouped_mm")  # never a Python loop over 384 experts
     print(f"  built {cfg.num_hidden_layers} blocks in {time.perf_counter() - t0:.1f} s", flush=True)
     ceilings = gemm_ceilings() if device == "cuda" else {}
-    check = check_paths(model, args.check_tokens)
+    model.set_quant(args.check_quant)
+    check = {"quant": args.check_quant, **check_paths(model, args.check_tokens)}
+    model.set_quant(args.quant)
     print(f"  GPU path vs torch path: {check}", flush=True)
     table = Table(
         title=f"{cfg.num_hidden_layers} V4.1 blocks (one per role), d {cfg.hidden_size}, MoE "

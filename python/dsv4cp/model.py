@@ -123,6 +123,15 @@ class DeepseekV41Model(nn.Module):
     def engram_layers(self) -> list[Engram]:
         return [b.engram for b in self.blocks if b.engram is not None]
 
+    def set_quant(self, quant: str) -> None:
+        """Switch the numerics of every part (the storage stays as built): for comparisons of
+        the two modes on the same weights. Checked like the constructor's `quant`."""
+        mode = check_quant_mode(quant)
+        check_supported(self.config, mode)
+        self.quant = mode
+        for block in self.blocks:
+            block.quant = block.attn.quant = mode
+
     def set_moe_backend(self, backend: GroupedBackend) -> None:
         """The routed experts' backend of every block ("auto": grouped_mm for CUDA bf16)."""
         for block in self.blocks:

@@ -89,3 +89,26 @@ def test_cp2_gloo_equals_cp1(scenario_cp1) -> None:
     sc, ref = scenario_cp1
     got, _ = run_cp_scenario(sc, 2, "gloo", timeout_s=120)
     assert compare(ref, got).passed(TOL)
+
+
+def test_set_quant_switches_every_part_and_is_checked() -> None:
+    quantized = DeepseekV41Config.tiny_full(quantization=DeepseekV41Config.flash().quantization)
+    model = DeepseekV41Model(quantized, seed=0, dtype=torch.bfloat16)
+    assert model.quant == "none"
+    model.set_quant("qat")
+    assert all(b.quant == "qat" and b.attn.quant == "qat" for b in model.blocks)
+    with pytest.raises(NotImplementedError, match="no quantization_config"):
+        DeepseekV41Model(DeepseekV41Config.tiny_full(), seed=None).set_quant("qat")
+
+
+@pytest.mark.parametrize("quant", ["none", "qat"])
+def test_moe_shared_expert_through_its_linears_equals_the_twin(model, quant: str) -> None:
+    from dsv4cp.ops.moe import expert_mlp
+
+    moe = model.blocks[1].ffn
+    assert isinstance(moe, MoE)
+    x = torch.randn(37, 128, generator=torch.Generator().manual_seed(5))
+    twin = expert_mlp(
+        x, *(moe._shared(n) for n in ("w1", "w3", "w2")), swiglu_limit=10.0, quant=quant
+    )
+    assert torch.equal(moe.shared_mlp(x, quant), twin)

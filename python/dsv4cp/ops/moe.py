@@ -21,6 +21,7 @@ All of it is per token, so context parallelism cannot change it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -281,9 +282,12 @@ def moe(
     spec: MoeSpec,
     quant: QuantMode,
     backend: GroupedBackend = "auto",
+    shared_mlp: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """The whole MoE on x [T, d] (the ffn_norm output) → x.dtype [T, d]. ``experts``/``shared``
-    are the (w1, w3, w2) projections: w1 gate, w3 up, w2 down."""
+    are the (w1, w3, w2) projections: w1 gate, w3 up, w2 down. ``shared_mlp``, when given,
+    computes the shared expert instead of ``expert_mlp`` on ``shared`` (the layer's routed fp8
+    kernels on CUDA; the same math)."""
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, d], got {tuple(x.shape)}")
     routing = route(x, gate_weight, gate_bias, spec)
@@ -304,5 +308,8 @@ def moe(
     y = per_token[:, 0].float()
     for j in range(1, k):  # ascending expert order, as the reference's accumulation
         y = y + per_token[:, j].float()
-    y = y + expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant).float()
+    if shared_mlp is None:
+        y = y + expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant).float()
+    else:
+        y = y + shared_mlp(x).float()
     return y.to(x.dtype)
