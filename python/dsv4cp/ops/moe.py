@@ -34,7 +34,7 @@ from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rowwise import rowwise_linear_fp32
 
 ScoringFunc = Literal["sqrtsoftplus", "sigmoid", "softmax"]
-GroupedBackend = Literal["auto", "loop", "grouped_mm"]
+GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
 SCORING_FUNCS: tuple[str, ...] = ("sqrtsoftplus", "sigmoid", "softmax")
 _NORM_EPS = 1e-20  # the reference's (training's) constant, not rms_norm_eps
 
@@ -220,7 +220,10 @@ def grouped_expert_mlp(
     ``"loop"`` (the torch twin, the reference numerics): one ``expert_mlp`` per non-empty expert
     on its contiguous slice. ``"grouped_mm"``: three ``torch._grouped_mm`` launches per chunk of
     ``expert_chunk`` experts, the fp4 weights dequantized chunk by chunk; it differs from the loop
-    only in the fp32 summation order inside a GEMM. ``"auto"``: grouped_mm for CUDA bf16, else loop.
+    only in the fp32 summation order inside a GEMM. ``"masked"``: every expert on every row,
+    kept where the row is the expert's — no host sync, for CUDA graph capture of small models
+    (E times the work). ``"auto"``: grouped_mm for CUDA bf16, masked while a CUDA stream is
+    capturing, else loop.
     """
     quant = check_quant_mode(quant)
     n_experts = counts.shape[0]
@@ -236,7 +239,14 @@ def grouped_expert_mlp(
             f"route_weight must be [{x_sorted.shape[0]}], got {tuple(route_weight.shape)}"
         )
     if backend == "auto":
-        backend = "grouped_mm" if x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16 else "loop"
+        if x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16:
+            backend = "grouped_mm"
+        elif x_sorted.is_cuda and torch.cuda.is_current_stream_capturing():
+            backend = "masked"
+        else:
+            backend = "loop"
+    if backend == "masked":
+        return _masked_experts(x_sorted, counts, w1, w3, w2, route_weight, swiglu_limit, quant)
     if backend == "grouped_mm":
         # chunk boundaries need host offsets; a single chunk needs none (no device sync)
         ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
@@ -245,7 +255,9 @@ def grouped_expert_mlp(
         h = route_weight.float().unsqueeze(-1) * clamped_swiglu(h1, h3, swiglu_limit)
         return _grouped_projection(h.to(x_sorted.dtype), w2, ends, counts, quant, expert_chunk)
     if backend != "loop":
-        raise ValueError(f"backend must be 'auto', 'loop' or 'grouped_mm', got {backend!r}")
+        raise ValueError(
+            f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"
+        )
     out = x_sorted.new_empty(x_sorted.shape)
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -264,12 +276,42 @@ def grouped_expert_mlp(
     return out
 
 
+def _masked_experts(
+    x_sorted: Tensor,
+    counts: Tensor,
+    w1: ExpertStack,
+    w3: ExpertStack,
+    w2: ExpertStack,
+    route_weight: Tensor,
+    swiglu_limit: float,
+    quant: QuantMode,
+) -> Tensor:
+    n_experts, p = counts.shape[0], x_sorted.shape[0]
+    experts = torch.arange(n_experts, device=counts.device)
+    owner = torch.repeat_interleave(experts, counts, output_size=p)  # no host sync
+    out = x_sorted.new_zeros(x_sorted.shape)
+    for e in range(n_experts):
+        y = expert_mlp(
+            x_sorted,
+            w1.expert(e),
+            w3.expert(e),
+            w2.expert(e),
+            swiglu_limit=swiglu_limit,
+            quant=quant,
+            route_weight=route_weight,
+        )
+        out = torch.where((owner == e)[:, None], y, out)
+    return out
+
+
 def sort_by_expert(routing: Routing, n_experts: int) -> tuple[Tensor, Tensor]:
     """(pair order, counts [E]): ``order`` lists the T·k token-expert pairs (flat index t·k + j)
-    grouped by expert, ascending, token order kept inside a group."""
+    grouped by expert, ascending, token order kept inside a group. No host sync (a CUDA
+    `bincount` reads its max on the host; a scatter-add does not)."""
     flat = routing.experts.flatten()
     order = torch.sort(flat, stable=True).indices
-    return order, torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def moe(
