@@ -23,6 +23,7 @@ import sys
 import torch
 
 from benchmarks.benchutil import Table, device_info, time_cuda, write_json
+from benchmarks.model_layers import layer_subset_config
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41Model
@@ -46,23 +47,9 @@ class SoloCPGroup:
 
 
 def bench_config() -> DeepseekV41Config:
-    return DeepseekV41Config.flash(
-        num_hidden_layers=6,
-        compress_ratios=(0, 2, 2, 1, 1, 1),
-        kv_source_layer_ids=(1, 3),
-        index_source_layer_ids=(1, 3, 5),
-        candidate_source_layer_id=3,
-        vocab_size=4096,
-        # the attention benchmark model of docs/performance.md §3: dense SwiGLU FFN, one residual
-        # stream, no Engram, no DSpark layers
-        num_nextn_predict_layers=0,
-        n_routed_experts=0,
-        hc_mult=1,
-        engram_layer_ids=(),
-        engram_num_embeddings=(),
-        dspark_target_layer_ids=(),
-        quantization=None,  # dense bf16 weights, random (fp8 storage needs a checkpoint)
-    )
+    """Flash dims, one layer per role, one residual stream and a dense SwiGLU FFN with dense bf16
+    weights (the attention benchmark model of docs/performance.md §3)."""
+    return layer_subset_config(blocks=False, quantization=None)
 
 
 def build_model(cfg: DeepseekV41Config) -> DeepseekV41Model:

@@ -50,7 +50,7 @@ def test_flash_128k_request_fits_950_bytes_per_token(page: int) -> None:
         "compressed": (3 * page // 2 + page) * 288,  # kv sources 2, 8, 14 (r2) and 20 (r1)
         "index_keys": (3 * page // 2 + page) * 68,
         "pair_state": 3 * 2 * 512 * 4,  # one dummy row of kv and gate per ratio-2 source
-        "slot_tables": 4,  # the dummy page's SWA page-table entry
+        "slot_tables": 4 + page * 4,  # the dummy page's SWA page-table entry and token ids
     }
     assert {k: alloc[k] - plan.by_kind[k] for k in KINDS} == dummy
     # 2.5 entries per token: 720 B compressed + 170 B index keys, the window ~20.6 B
@@ -222,7 +222,7 @@ def test_tiny_formula_equals_a_real_allocation_after_a_prefill(quant: str) -> No
         "compressed": (page // 2 + page) * cache.row_bytes("compressed"),  # r2 source 1, r1 3
         "index_keys": (page // 2 + page) * cache.row_bytes("index"),
         "pair_state": 2 * TINY.head_dim * 4,
-        "slot_tables": 4,
+        "slot_tables": 4 + page * 4,  # the dummy page's page-table entry and token ids
     }
     for kind, extra in dummy.items():
         assert alloc[kind] - plan.by_kind[kind] == extra, kind

@@ -133,6 +133,8 @@ class KVCache:
         self.index = {
             s: pool("index", self.entry_rows_needed(r)) for s, r in self.kv_sources.items()
         }
+        # The raw token id at each slot: Engram's n-gram history (layers/engram_hashes.py).
+        self.token_ids = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         if req_to_token is None:
             req_to_token = torch.zeros(
                 max_requests, max_context, dtype=torch.long, device=self.device
@@ -217,6 +219,7 @@ class KVCache:
         out.update({f"pair_kv.{i}": t for i, t in self.pair_kv.items()})
         out.update({f"pair_gate.{i}": t for i, t in self.pair_gate.items()})
         out["swa_page_table"] = self.swa_page_table
+        out["token_ids"] = self.token_ids
         return out
 
     def slot_view(self, slots: Tensor) -> dict[str, Tensor]:
@@ -250,7 +253,7 @@ class KVCache:
             "compressed": size(self.compressed.values()),
             "index_keys": size(self.index.values()),
             "pair_state": size([*self.pair_kv.values(), *self.pair_gate.values()]),
-            "slot_tables": size([self.req_to_token, self.swa_page_table]),
+            "slot_tables": size([self.req_to_token, self.swa_page_table, self.token_ids]),
         }
 
 
@@ -296,7 +299,8 @@ def cache_bytes(
     pages (compact addressing; one per slot when page_size is not a multiple of r); per ratio-2
     kv source: the pair state, one pending row of fp32 kv and gate (one per slot when not
     windowed); the request's `req_to_token` row (int64 per position) and its SWA page table
-    entries (int32 per page). Equals what `KVCache` allocates for exactly this request, less
+    entries (int32 per page), and the token id at each of its slots (int32, Engram's n-gram
+    history). Equals what `KVCache` allocates for exactly this request, less
     the dummy page and dummy pair row (tests/test_cache.py checks it on the meta device).
     """
     if tokens < 0:
@@ -322,7 +326,7 @@ def cache_bytes(
         "compressed": comp_rows * row_bytes(fmt.compressed, c.head_dim, dtype),
         "index_keys": comp_rows * row_bytes(fmt.index, c.index_head_dim, dtype),
         "pair_state": pair_rows * c.head_dim * 4,
-        "slot_tables": tokens * 8 + pages * 4,
+        "slot_tables": tokens * 8 + pages * 4 + slots * 4,  # + token_ids, int32 per slot
     }
     rows = {
         "swa_window": swa_rows,

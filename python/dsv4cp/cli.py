@@ -1,4 +1,5 @@
-"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy, cache-size.
+"""`dsv4cp` command line: demo, check, profile, export-tiny, accuracy, cache-size,
+reference-check.
 
 Each subcommand lives in `dsv4cp/commands/<name>_cmd.py` with `add_parser(subparsers)` and
 `run(args) -> int`; this file only dispatches.
@@ -18,6 +19,7 @@ COMMANDS = {
     "export-tiny": "dsv4cp.commands.export_tiny_cmd",
     "accuracy": "dsv4cp.commands.accuracy_cmd",
     "cache-size": "dsv4cp.commands.cache_size_cmd",
+    "reference-check": "dsv4cp.commands.reference_check_cmd",
 }
 
 

@@ -346,6 +346,13 @@ class DeepseekV41Config:
         return cls(**{**config_presets.V41_SHARED, **config_presets.TINY, **overrides})
 
     @classmethod
+    def tiny_full(cls, **overrides: Any) -> DeepseekV41Config:
+        """`tiny()` with the whole V4.1 block around the attention: hyper-connections (4
+        streams) and a small MoE (8 experts top-2 + 1 shared); no Engram. `dsv4cp check`/`demo`
+        run it so that CP = N vs CP = 1 covers the row-local parts too."""
+        return cls.tiny(**{**config_presets.TINY_BLOCKS, **overrides})
+
+    @classmethod
     def flash(cls, **overrides: Any) -> DeepseekV41Config:
         """The real DeepSeek-V4.1-Flash values (attention-math §1.1; the MoE, hyper-connection,
         Engram, DSpark and vision values of the reference's inference/config.json)."""

@@ -46,6 +46,19 @@ TINY: dict[str, Any] = dict(
     intermediate_size=256,
 )
 
+# TINY plus the rest of a V4.1 block: hyper-connections (4 streams) and a small MoE (8 routed
+# experts top-2 + 1 shared, the tiny reference fixture's sizes). No Engram: it needs a tokenizer
+# and tables (the fixture checkpoint has them).
+TINY_BLOCKS: dict[str, Any] = dict(
+    hc_mult=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+)
+
 FLASH: dict[str, Any] = dict(
     hidden_size=5120,
     num_hidden_layers=40,

@@ -1,18 +1,24 @@
-"""`DeepseekV41Model`: a V4.1-shaped decoder (embedding, attention + dense SwiGLU blocks, norm,
-head) and its one forward, shared by `PrefillRunner` (eager and graph capture) and the SGLang
-adapter: local token ids → embedding → every layer → the gather of the last hidden rows.
+"""`DeepseekV41Model`: the DeepSeek-V4.1 text model and its one forward, shared by `PrefillRunner`
+(eager and graph capture) and the SGLang adapter.
 
-MoE, mHC and engrams are not here yet: the FFN is a dense SwiGLU. Save/load is a directory with
-`config.json` (HF layout, nested `text_config`) and `model.safetensors` with DeepSeek's
-attention weight names.
+embedding → `hc_mult` copies (hyper-connections; a plain residual row when `hc_mult` = 1) →
+blocks (`layers/block.py`: Engram, attention, FFN = MoE or dense SwiGLU) → final collapse with the
+last block's FFN `pre` → gather of the global rows → final norm → fp32 head (DeepSeek reference
+`model.py: Transformer.forward`, `ParallelHead`). The quant mode ("none" / "qat") is fixed at
+construction; a part that does not implement the asked mode raises there, never runs another.
+
+Weights: `checkpoint_weights()` maps the release's tensor names (dsv4cp's own `ffn.w{1,2,3}` for
+the dense test FFN) to the model's tensors. A released-format checkpoint loads with
+`from_checkpoint` (`loader.py`); dsv4cp's own single-file exports with `save_pretrained` /
+`from_pretrained`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -22,90 +28,59 @@ from torch import Tensor, nn
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import gather_global
-from dsv4cp.executors import SERIAL, SERIAL_ONLY, Executor, LayerExecutors
-from dsv4cp.layers.attention import DeepseekV41Attention
+from dsv4cp.executors import SERIAL_ONLY, LayerExecutors
+from dsv4cp.layers.block import DeepseekV41Block
+from dsv4cp.layers.engram import Engram
+from dsv4cp.layers.engram_hashes import EngramHashes
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
+from dsv4cp.ops.engram import RowSource
+from dsv4cp.ops.engram_hash import NgramHasher
 from dsv4cp.ops.finite import check_finite, finite_check_requested
-from dsv4cp.schedule import lanes_of
+from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand_embedding, identity_pre
+from dsv4cp.ops.moe import GroupedBackend
+from dsv4cp.ops.quant import QuantMode
+from dsv4cp.random_weights import init_random_
+from dsv4cp.schedule import PrepareState, lanes_of
+
+__all__ = ["WEIGHTS_FILE", "BlockInputHook", "DeepseekV41Model", "LayerHook", "init_random_"]
 
 WEIGHTS_FILE = "model.safetensors"
 # (name, this rank's output rows of the layer, the forward's context): see `layer_hook`.
 LayerHook = Callable[[str, Tensor, ForwardContext], None]
-
-
-@torch.no_grad()
-def init_random_(
-    weights: Mapping[str, Tensor],
-    config: DeepseekV41Config,
-    seed: int,
-    *,
-    device: torch.device | str = "cpu",
-) -> None:
-    """Fill checkpoint-named weights in place, in name order, from one generator on `device`:
-    the CPU (default) gives every device the same values; "cuda" is fast at Flash dims (the
-    benchmarks). Norms 1 + N(0, 0.01), embedding and sinks N(0, 1), matrices N(0, 1/fan_in).
-
-    Index head 2m+1's query projection is the negative of head 2m's, so at least one head of
-    each pair is active and index scores have no exact-zero ties (attention-math erratum 2).
-    """
-    g = torch.Generator(device=device).manual_seed(seed)
-    for name, t in sorted(weights.items()):
-        val = torch.randn(t.shape, generator=g, device=device)
-        if name.endswith("norm.weight"):
-            val = 1.0 + 0.1 * val
-        elif not (name.endswith("attn_sink") or name == "embed.weight"):
-            val = val / math.sqrt(t.shape[-1])
-        if name.endswith("indexer.wq_b.weight"):
-            h, dim = config.index_n_heads, config.index_head_dim
-            v = val.view(h, dim, -1)
-            v[1::2] = -v[0::2][: h // 2]
-        t.copy_(val.to(t.dtype))
+# (block, streams entering it, pre handed to it, context) -> the (streams, pre) to use instead.
+BlockInputHook = Callable[
+    [int, Tensor, Tensor | None, ForwardContext], tuple[Tensor, Tensor | None]
+]
 
 
 def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class SwiGLU(nn.Module):
-    def __init__(
-        self, d: int, inter: int, *, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(inter, d, dtype=dtype, device=device), False)
-        self.w3 = nn.Parameter(torch.empty(inter, d, dtype=dtype, device=device), False)
-        self.w2 = nn.Parameter(torch.empty(d, inter, dtype=dtype, device=device), False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: DeepseekV41Config, i: int, *, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        super().__init__()
-        d = config.hidden_size
-        self.eps = config.rms_norm_eps
-        self.attn_norm = nn.Parameter(
-            torch.empty(d, dtype=dtype, device=device), requires_grad=False
+def check_supported(config: DeepseekV41Config, quant: QuantMode) -> None:
+    """Refuse a mode some part of this model does not implement (NotImplementedError): `qat`
+    needs the released storage (a `quantization` config: fp8 attention projections, fp4 experts)
+    and the MoE; the dense test FFN and dense attention weights have no quantized GEMM."""
+    if quant != "qat":
+        return
+    if config.quantization is None:
+        raise NotImplementedError(
+            "quant='qat': the config has no quantization_config, so the attention projections "
+            "are dense and would skip the reference's fp8 GEMM steps; use quant='none'"
         )
-        self.ffn_norm = nn.Parameter(
-            torch.empty(d, dtype=dtype, device=device), requires_grad=False
+    if not config.n_routed_experts:
+        raise NotImplementedError(
+            "quant='qat': the dense SwiGLU FFN (configs without MoE) has no quantized storage; "
+            "only the released MoE is quantized"
         )
-        self.attn = DeepseekV41Attention(config, i, dtype=dtype, device=device)
-        self.ffn = SwiGLU(d, config.intermediate_size, dtype=dtype, device=device)
-
-    def forward(self, h: Tensor, ctx: ForwardContext, executor: Executor = SERIAL) -> Tensor:
-        with stage("attention", layer=self.attn.layer, timed=False):
-            h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), ctx, executor)
-        with stage("ffn", layer=self.attn.layer):
-            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
 
 class DeepseekV41Model(nn.Module):
-    """`layer_hook`, when set (by `tools.checking`), sees every layer's output rows; the runner
-    then runs eagerly, since a graph replay keeps no intermediate rows."""
+    """`layer_hook`, when set (by `tools.checking`), sees every block's output rows (streams
+    [P, H, d] with hyper-connections); `block_input_hook` may replace what enters a block
+    (teacher forcing, `tools.reference_check`). With either set the runner runs eagerly, since
+    a graph replay keeps no intermediate rows."""
 
     def __init__(
         self,
@@ -117,56 +92,104 @@ class DeepseekV41Model(nn.Module):
         quant: str = "none",
     ) -> None:
         super().__init__()
-        self.quant = check_quant_mode(quant)  # only "none" exists yet; the others raise
+        self.quant = check_quant_mode(quant)
+        check_supported(config, self.quant)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         d, v = config.hidden_size, config.vocab_size
         self.embed = nn.Parameter(
             torch.empty(v, d, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype=dtype, device=device)
+            DeepseekV41Block(config, i, dtype=dtype, device=device, quant=self.quant)
             for i in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(d, dtype=dtype, device=device), requires_grad=False)
-        self.head = nn.Parameter(torch.empty(v, d, dtype=dtype, device=device), requires_grad=False)
+        # fp32 like the reference's ParallelHead (bf16 in the checkpoint): fp32 logits directly.
+        self.head = nn.Parameter(
+            torch.empty(v, d, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.engram_hashes: EngramHashes | None = None
         self.layer_hook: LayerHook | None = None
         # DSV4CP_CHECK_FINITE=1: every layer's output is checked on the host (debugging).
         self.check_finite = finite_check_requested()
+        self.block_input_hook: BlockInputHook | None = None
         if seed is not None:
             self.init_random(seed)
 
     @property
-    def blocks(self) -> list[DecoderLayer]:
-        """The decoder layers, typed (iterating an nn.ModuleList yields plain Modules)."""
-        return [cast(DecoderLayer, layer) for layer in self.layers]
+    def blocks(self) -> list[DeepseekV41Block]:
+        """The blocks, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return [cast(DeepseekV41Block, block) for block in self.layers]
+
+    @property
+    def hooked(self) -> bool:
+        """A hook wants intermediate rows: forwards must run eagerly."""
+        return self.layer_hook is not None or self.block_input_hook is not None
+
+    @property
+    def engram_layers(self) -> list[Engram]:
+        return [b.engram for b in self.blocks if b.engram is not None]
+
+    def set_quant(self, quant: str) -> None:
+        """Switch the numerics of every part (the storage stays as built): for comparisons of
+        the two modes on the same weights. Checked like the constructor's `quant`."""
+        mode = check_quant_mode(quant)
+        check_supported(self.config, mode)
+        self.quant = mode
+        for block in self.blocks:
+            block.quant = block.attn.quant = mode
+
+    def set_moe_backend(self, backend: GroupedBackend) -> None:
+        """The routed experts' backend of every block ("auto": grouped_mm for CUDA bf16)."""
+        for block in self.blocks:
+            block.moe_backend = backend
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weights(self) -> dict[str, Tensor]:
+        """Checkpoint name → the model's tensor (views), Engram tables excepted."""
         out: dict[str, Tensor] = {
             "embed.weight": self.embed,
             "norm.weight": self.norm,
             "head.weight": self.head,
         }
-        for i, layer in enumerate(self.blocks):
-            out[f"layers.{i}.attn_norm.weight"] = layer.attn_norm
-            out[f"layers.{i}.ffn_norm.weight"] = layer.ffn_norm
-            for n in ("w1", "w2", "w3"):
-                out[f"layers.{i}.ffn.{n}.weight"] = getattr(layer.ffn, n)
-            for n, t in layer.attn.checkpoint_weights().items():
-                out[f"layers.{i}.attn.{n}"] = t
+        for block in self.blocks:
+            out.update(block.checkpoint_slots(f"layers.{block.layer}."))
         return out
 
     def init_random(self, seed: int, *, device: torch.device | str = "cpu") -> None:
-        """Deterministic random weights (`init_random_`)."""
+        """Deterministic random weights (`init_random_`); Engram tables are not drawn."""
         init_random_(self.checkpoint_weights(), self.config, seed, device=device)
 
+    def attach_engram(
+        self, hasher: NgramHasher, tables: dict[int, tuple[RowSource, RowSource]]
+    ) -> None:
+        """The n-gram hasher (from the tokenizer) and each Engram layer's table (codes, scales:
+        host tensors or shard memmaps, never copied whole)."""
+        layers = {e.layer_id: e for e in self.engram_layers}
+        if set(tables) != set(layers):
+            raise ValueError(
+                f"attach_engram: tables for layers {sorted(tables)}, the model's Engram layers "
+                f"are {sorted(layers)}"
+            )
+        if tuple(hasher.layer_ids) != tuple(self.config.engram_layer_ids):
+            raise ValueError(
+                f"attach_engram: the hasher is for layers {hasher.layer_ids}, the config's "
+                f"engram_layer_ids are {self.config.engram_layer_ids}"
+            )
+        for layer, (weight, scale) in tables.items():
+            layers[layer].attach_table(weight, scale)
+        self.engram_hashes = EngramHashes(hasher, self.config.vocab_size, self.device)
+
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """dsv4cp's own export: config.json and one model.safetensors in the model's storage."""
         from safetensors.torch import save_file
 
+        if self.engram_layers:
+            raise ValueError("save_pretrained: Engram tables are not exported (no writer)")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(self.config.to_hf(), f, indent=2)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.checkpoint_weights().items()}
+        tensors = {k: v.detach().cpu().clone() for k, v in self.checkpoint_weights().items()}
         save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
 
     @torch.no_grad()
@@ -199,6 +222,7 @@ class DeepseekV41Model(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> DeepseekV41Model:
+        """Load a dsv4cp export (`save_pretrained`, `export-tiny`)."""
         from safetensors.torch import load_file
 
         config = DeepseekV41Config.from_hf(path)
@@ -206,19 +230,37 @@ class DeepseekV41Model(nn.Module):
         model.load_state(load_file(os.path.join(path, WEIGHTS_FILE)))
         return model
 
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        quant: str = "qat",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> DeepseekV41Model:
+        """Load a released-format DeepSeek-V4.1 checkpoint directory (`loader.load_checkpoint`)."""
+        from dsv4cp.loader import load_checkpoint
+
+        config = DeepseekV41Config.from_hf(path)
+        model = cls(config, dtype=dtype, device=device, seed=None, quant=quant)
+        load_checkpoint(model, Path(path))
+        return model
+
     def prepare_lanes(self) -> list[str]:
         """The side lanes of every layer's prepare: one CUDA stream each (`StreamPool`)."""
-        return lanes_of([layer.attn.schedule() for layer in self.blocks])
+        return lanes_of([block.attn.schedule() for block in self.blocks])
 
     # ------------------------------------------------------------------ forward
     def forward(
         self, input_ids: Tensor, ctx: ForwardContext, executors: LayerExecutors = SERIAL_ONLY
     ) -> Tensor:
-        """Global token ids [T] of the batch → global hidden rows [T, d] after the last layer
-        (before the final norm), on every rank. Ids are validated by the caller (the runner
-        before reserving slots, SGLang before scheduling)."""
+        """Global token ids [T] of the batch → global hidden rows [T, d] after the last block and
+        the final collapse (before the final norm), on every rank. Ids are validated by the
+        caller (the runner before reserving slots, SGLang before scheduling)."""
         h = self.embed_local(input_ids, ctx.local_ids)
-        h = self.forward_hidden(h, ctx, executors)
+        hash_ids = self._engram_hash_ids(input_ids, ctx)
+        h = self.forward_hidden(h, ctx, executors, hash_ids)
         return gather_global(ctx.cp, ctx.layout, h, tag="final/hidden")
 
     def embed_local(self, input_ids: Tensor, local_ids: Tensor) -> Tensor:
@@ -226,19 +268,59 @@ class DeepseekV41Model(nn.Module):
         ids = torch.where(local_ids >= 0, input_ids[local_ids.clamp(min=0)], 0)
         return F.embedding(ids, self.embed)
 
+    def _engram_hash_ids(self, input_ids: Tensor, ctx: ForwardContext) -> Tensor | None:
+        """Write the batch's ids to the slot store, then hash this rank's rows (row-local)."""
+        if not self.engram_layers:
+            return None
+        hashes = self.engram_hashes
+        if hashes is None:
+            raise ValueError(
+                "the model has Engram layers but no hasher/tables (attach_engram, or load with "
+                "from_checkpoint)"
+            )
+        store = ctx.cache.token_ids
+        with stage("engram_hash"):
+            hashes.write(store, ctx, input_ids)
+            return hashes.local_ids(store, ctx)
+
     def forward_hidden(
-        self, h: Tensor, ctx: ForwardContext, executors: LayerExecutors = SERIAL_ONLY
+        self,
+        h: Tensor,
+        ctx: ForwardContext,
+        executors: LayerExecutors = SERIAL_ONLY,
+        hash_ids: Tensor | None = None,
     ) -> Tensor:
-        """Local rows through every decoder layer (no final norm)."""
-        for layer in self.blocks:
-            h = layer(h, ctx, executors.for_role(layer.attn.role))
+        """Local embedding rows [P, d] through every block, then the final collapse: [P, d]."""
+        hc = self.config.hc_mult
+        pre: Tensor | None = None
+        if hc > 1:
+            pre = identity_pre(ctx.local_ids, hc)
+            h = hc_expand_embedding(h, hc)
+        for block in self.blocks:
+            if self.block_input_hook is not None:
+                h, pre = self.block_input_hook(block.layer, h, pre, ctx)
+            h, pre = block(h, pre, ctx, executors.for_role(block.attn.role), hash_ids)
             if self.check_finite and not _capturing(h):
-                check_finite(
-                    h, f"hidden rows after layer {layer.attn.layer}", row_ids=ctx.local_ids
-                )
+                check_finite(h, f"hidden rows after layer {block.layer}", row_ids=ctx.local_ids)
             if self.layer_hook is not None:
-                self.layer_hook(f"layer{layer.attn.layer}", h, ctx)
-        return h
+                self.layer_hook(f"layer{block.layer}", h, ctx)
+        if pre is None:
+            return h
+        with stage("mhc"):
+            return hc_collapse(h, pre)
+
+    def index_scores(self, layer: int, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """Recompute index source `layer`'s scores [L, width] of this rank's rows from its
+        attention input x, after the layer ran in `ctx` (its index keys are in the
+        cache): for top-k tie checks (`tools.reference_check`), not the forward path."""
+        attn = self.blocks[layer].attn
+        if not attn.role.index_source:
+            raise ValueError(f"layer {layer} is not an index source")
+        st = PrepareState(ctx, x=x)
+        for node in (attn._qkv_a, attn._q_norm, attn._indexer_qw):  # the layer's own steps
+            node(st)
+        return attn.index_logits(st["idx_q"], st["idx_w"], ctx)
 
     def logits(self, h: Tensor) -> Tensor:
-        return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps), self.head).float()
+        """fp32 logits [..., V]: the final norm in the model dtype, then the fp32 head."""
+        return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps).float(), self.head)

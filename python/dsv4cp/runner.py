@@ -134,7 +134,7 @@ class PrefillRunner:
             for res in reservations:
                 self.alloc.write_table(res)
             with use_timer(timer):
-                eager = timer is not None or self.model.layer_hook is not None
+                eager = timer is not None or self.model.hooked
                 out = self._forward(batch, reservations, return_all_logits, eager)
         except BaseException:
             for res in reversed(reservations):
@@ -190,6 +190,11 @@ class PrefillRunner:
         """Capture every bucket (largest first, one pool); every CP rank calls this together."""
         if self.model.device.type != "cuda":
             raise ValueError("graphs need a CUDA device")
+        if self.model.engram_layers:
+            raise ValueError(
+                "graphs: Engram layers read their tables on the host (distinct rows of a memmap), "
+                "which a CUDA graph cannot capture; run this model eagerly"
+            )
         self.graph_runner = GraphRunner(config, self.cp)
         with torch.inference_mode():
             return self.graph_runner.capture(

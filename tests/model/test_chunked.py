@@ -1,4 +1,6 @@
-"""Chunked prefill, mixed batches and decode all equal one-shot prefill (fp32, 1e-5 relative)."""
+"""Chunked prefill, mixed batches and decode all equal one-shot prefill (fp32, 1e-5 relative), for
+the dense tiny decoder and for `tiny_full` (mHC + MoE: the experts' fp32 GEMMs sum in an order
+that depends on the rows per call, tests/model/test_whole_model.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from dsv4cp.runner import PrefillRunner
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model() -> DeepseekV41Model:
-    return DeepseekV41Model(DeepseekV41Config.tiny(), seed=1)
+@pytest.fixture(scope="module", params=["tiny", "tiny_full"])
+def model(request) -> DeepseekV41Model:
+    return DeepseekV41Model(getattr(DeepseekV41Config, request.param)(), seed=1)
 
 
 def _runner(model: DeepseekV41Model) -> PrefillRunner:

@@ -1,4 +1,5 @@
-"""`dsv4cp check`: the tiny model at CP=N against CP=1, largest differences per layer."""
+"""`dsv4cp check`: a model at CP=N against CP=1, largest differences per layer (the tiny config
+with mHC + MoE, or `--checkpoint DIR`)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ import time
 from dataclasses import replace
 
 from dsv4cp.commands.common import (
-    UsageError,
     add_cp_args,
+    add_model_args,
     check_cp_args,
     check_cpu_size,
     check_fake_side_streams,
     finite_float,
     int_list,
     positive_int_list,
+    scenario_from_args,
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model")
+    p = sub.add_parser("check", help="compare CP=N with CP=1 on the tiny model (or a checkpoint)")
     add_cp_args(p)
+    add_model_args(p)
     p.add_argument(
         "--lens", type=positive_int_list, default=(7, 130), help="prompt lengths, e.g. 7,130"
     )
@@ -54,14 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+    from dsv4cp.tools.checking import compare, run_cp_scenario, run_scenario, summarize
 
-    try:
-        base = Scenario(
-            lens=args.lens, prefix=args.prefix, chunk=args.chunk, seed=args.seed, device=args.device
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    base = scenario_from_args(args)
     backend = check_cp_args(args)
     check_fake_side_streams(args, backend)
     check_cpu_size(args, base.lens)

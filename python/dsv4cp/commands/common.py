@@ -13,6 +13,10 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsv4cp.tools.checking import Scenario
 
 SEED_LIMIT = 2**32  # seeds are in [0, 2**32)
 # The CPU reference is O(n^2) per prompt of n tokens (the indexer scores every earlier entry):
@@ -189,3 +193,39 @@ def check_fake_side_streams(args: argparse.Namespace, backend: str) -> None:
     lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
     per_rank = lanes + (1 if args.graphs else 0)
     check_side_streams(args.cp * per_rank, f"--cp {args.cp} (fake) with --multistream")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--checkpoint / --quant: which model `check` and `demo` run."""
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="a released-format DeepSeek-V4.1 checkpoint (e.g. the tiny reference fixture); "
+        "default: the tiny config with mHC and MoE, random weights",
+    )
+    p.add_argument(
+        "--quant",
+        choices=["none", "qat"],
+        default="none",
+        help="numerics: none (exact fp32/bf16) or qat (the reference's fp8/fp4 steps)",
+    )
+
+
+def scenario_from_args(args: argparse.Namespace, prefix: Sequence[int] | None = None) -> Scenario:
+    """The `check` / `demo` scenario of the parsed flags (`prefix` overrides --prefix); a bad
+    value or an unreadable checkpoint is a UsageError."""
+    from dsv4cp.tools.checking import Scenario
+
+    try:
+        return Scenario(
+            lens=args.lens,
+            prefix=tuple(args.prefix if prefix is None else prefix),
+            chunk=args.chunk,
+            seed=args.seed,
+            device=args.device,
+            checkpoint=args.checkpoint,
+            quant=args.quant,
+        )
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None

@@ -7,13 +7,14 @@ import time
 from dataclasses import replace
 
 from dsv4cp.commands.common import (
-    UsageError,
     add_cp_args,
+    add_model_args,
     check_cp_args,
     check_cpu_size,
     check_fake_side_streams,
     int_list,
     positive_int_list,
+    scenario_from_args,
 )
 
 DEFAULT_LENS, DEFAULT_PREFIX = (96, 300), (0, 40)
@@ -22,6 +23,7 @@ DEFAULT_LENS, DEFAULT_PREFIX = (96, 300), (0, 40)
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="CP prefill of the tiny model: agreement and stage times")
     add_cp_args(p)
+    add_model_args(p)
     p.add_argument("--lens", type=positive_int_list, default=DEFAULT_LENS, help="prompt lengths")
     p.add_argument(
         "--prefix",
@@ -49,25 +51,13 @@ def _stage_table(rows: list[tuple[str, float, int]], title: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4cp.config import DeepseekV41Config
     from dsv4cp.observe.timing import StageTimer
-    from dsv4cp.tools.checking import Scenario, compare, run_cp_scenario, run_scenario, summarize
+    from dsv4cp.tools.checking import compare, run_cp_scenario, run_scenario, summarize
 
-    cfg = DeepseekV41Config.tiny()
     prefix = args.prefix
     if prefix is None:  # the default prefix belongs to the default lens
         prefix = DEFAULT_PREFIX if tuple(args.lens) == DEFAULT_LENS else (0,)
-    try:
-        sc = Scenario(
-            lens=args.lens,
-            prefix=prefix,
-            chunk=args.chunk,
-            seed=args.seed,
-            device=args.device,
-            config=cfg,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    sc = scenario_from_args(args, prefix)
     backend = check_cp_args(args)
     check_fake_side_streams(args, backend)
     check_cpu_size(args, sc.lens)
@@ -79,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
-    print("dsv4cp demo: DeepSeek-V4.1 attention, tiny config (attention-math §11.1), fp32")
+    cfg = sc.config
+    what = sc.checkpoint or "tiny config (attention-math §11.1) + mHC + MoE, random weights"
+    print(f"dsv4cp demo: DeepSeek-V4.1, {what}, {sc.dtype}, quant={sc.quant}")
     print(f"  layers: {', '.join(f'{r.layer}:{r.name}' for r in cfg.layer_roles())}")
     print(
         f"  prompts {list(sc.lens)} tokens, cached prefixes {list(sc.prefix)}, "

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from dsv4cp.observe.timing import stage
 from dsv4cp.ops.hyper_connections import HcMixes, hc_collapse, hc_expand, hc_mixes
 
 Sublayer = Literal["attn", "ffn"]
@@ -61,8 +62,12 @@ def hc_sublayer(
     V4.1's rule (reference ``model.py: Block.forward``): the sublayer's input is x collapsed with
     ``pre`` handed over from the *previous* sublayer (identity_pre before the first block); the
     sublayer's own mixes give ``post``/``comb`` for its output and the ``pre`` it hands on.
-    Returns (new streams, the pre for the next sublayer or for the final collapse).
+    Returns (new streams, the pre for the next sublayer or for the final collapse). The mixing
+    runs under the stage "mhc" (the sublayer names its own stages).
     """
-    mixes = connection(x)
-    y = sublayer(hc_collapse(x, pre))
-    return hc_expand(y, x, mixes.post, mixes.comb), mixes.pre
+    with stage("mhc"):
+        mixes = connection(x)
+        collapsed = hc_collapse(x, pre)
+    y = sublayer(collapsed)
+    with stage("mhc"):
+        return hc_expand(y, x, mixes.post, mixes.comb), mixes.pre

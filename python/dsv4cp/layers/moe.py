@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from dsv4cp.layers.linear import Linear
 from dsv4cp.ops.linear import WEIGHT_BLOCK
-from dsv4cp.ops.moe import ExpertStack, GroupedBackend, MoeSpec, QuantWeight, moe
+from dsv4cp.ops.moe import (
+    ExpertStack,
+    GroupedBackend,
+    MoeSpec,
+    QuantWeight,
+    clamped_swiglu,
+    moe,
+)
 from dsv4cp.ops.quant import QuantMode
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
@@ -57,6 +64,13 @@ class MoE(nn.Module):
     def stack(self, name: str) -> ExpertStack:
         return ExpertStack(getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale"))
 
+    def shared_mlp(self, x: Tensor, quant: QuantMode) -> Tensor:
+        """The shared expert through its `Linear`s (the routed fp8 GEMM kernel on CUDA in qat);
+        the math of `ops.moe.expert_mlp`."""
+        lin = {n: self.shared[n] for n in _PROJECTIONS}
+        h = clamped_swiglu(lin["w1"](x, quant), lin["w3"](x, quant), self.spec.swiglu_limit)
+        return cast(Tensor, lin["w2"](h.to(x.dtype), quant))
+
     def forward(
         self, x: Tensor, quant: QuantMode = "qat", backend: GroupedBackend = "auto"
     ) -> Tensor:
@@ -72,6 +86,7 @@ class MoE(nn.Module):
             spec=self.spec,
             quant=quant,
             backend=backend,
+            shared_mlp=lambda y: self.shared_mlp(y, quant),
         )
 
     def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dsv4cp.ops.rowwise import rowwise_linear_fp32
+
 
 class HcMixes(NamedTuple):
     """One sublayer's coefficients, fp32: pre [..., H], post [..., H], comb [..., H, H]."""
@@ -51,7 +53,7 @@ def hc_mix_logits(x: Tensor, fn: Tensor, *, norm_eps: float) -> Tensor:
     """fp32 [..., (2+H)·H]: ``fn @ flatten(x)`` scaled by the token's rsqrt(mean(x²) + norm_eps)."""
     xf = x.flatten(-2).float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    return torch.nn.functional.linear(xf, fn.float()) * rstd
+    return rowwise_linear_fp32(xf, fn) * rstd  # row-local bit for bit (CP, chunks)
 
 
 def sinkhorn_split(

@@ -21,6 +21,7 @@ All of it is per token, so context parallelism cannot change it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -30,9 +31,10 @@ from torch import Tensor
 
 from dsv4cp.ops.linear import dequant_fp4, linear
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
+from dsv4cp.ops.rowwise import rowwise_linear_fp32
 
 ScoringFunc = Literal["sqrtsoftplus", "sigmoid", "softmax"]
-GroupedBackend = Literal["auto", "loop", "grouped_mm"]
+GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
 SCORING_FUNCS: tuple[str, ...] = ("sqrtsoftplus", "sigmoid", "softmax")
 _NORM_EPS = 1e-20  # the reference's (training's) constant, not rms_norm_eps
 
@@ -109,7 +111,7 @@ class Routing(NamedTuple):
 
 def gate_scores(x: Tensor, gate_weight: Tensor, *, scoring_func: str, gate_temp: float) -> Tensor:
     """fp32 [T, E] affinities of each token for each routed expert."""
-    logits = F.linear(x.float(), gate_weight.float()) / gate_temp
+    logits = rowwise_linear_fp32(x, gate_weight) / gate_temp  # row-local bit for bit
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":
@@ -218,7 +220,10 @@ def grouped_expert_mlp(
     ``"loop"`` (the torch twin, the reference numerics): one ``expert_mlp`` per non-empty expert
     on its contiguous slice. ``"grouped_mm"``: three ``torch._grouped_mm`` launches per chunk of
     ``expert_chunk`` experts, the fp4 weights dequantized chunk by chunk; it differs from the loop
-    only in the fp32 summation order inside a GEMM. ``"auto"``: grouped_mm for CUDA bf16, else loop.
+    only in the fp32 summation order inside a GEMM. ``"masked"``: every expert on every row,
+    kept where the row is the expert's — no host sync, for CUDA graph capture of small models
+    (E times the work). ``"auto"``: grouped_mm for CUDA bf16, masked while a CUDA stream is
+    capturing, else loop.
     """
     quant = check_quant_mode(quant)
     n_experts = counts.shape[0]
@@ -234,7 +239,14 @@ def grouped_expert_mlp(
             f"route_weight must be [{x_sorted.shape[0]}], got {tuple(route_weight.shape)}"
         )
     if backend == "auto":
-        backend = "grouped_mm" if x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16 else "loop"
+        if x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16:
+            backend = "grouped_mm"
+        elif x_sorted.is_cuda and torch.cuda.is_current_stream_capturing():
+            backend = "masked"
+        else:
+            backend = "loop"
+    if backend == "masked":
+        return _masked_experts(x_sorted, counts, w1, w3, w2, route_weight, swiglu_limit, quant)
     if backend == "grouped_mm":
         # chunk boundaries need host offsets; a single chunk needs none (no device sync)
         ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
@@ -243,7 +255,9 @@ def grouped_expert_mlp(
         h = route_weight.float().unsqueeze(-1) * clamped_swiglu(h1, h3, swiglu_limit)
         return _grouped_projection(h.to(x_sorted.dtype), w2, ends, counts, quant, expert_chunk)
     if backend != "loop":
-        raise ValueError(f"backend must be 'auto', 'loop' or 'grouped_mm', got {backend!r}")
+        raise ValueError(
+            f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"
+        )
     out = x_sorted.new_empty(x_sorted.shape)
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -262,12 +276,42 @@ def grouped_expert_mlp(
     return out
 
 
+def _masked_experts(
+    x_sorted: Tensor,
+    counts: Tensor,
+    w1: ExpertStack,
+    w3: ExpertStack,
+    w2: ExpertStack,
+    route_weight: Tensor,
+    swiglu_limit: float,
+    quant: QuantMode,
+) -> Tensor:
+    n_experts, p = counts.shape[0], x_sorted.shape[0]
+    experts = torch.arange(n_experts, device=counts.device)
+    owner = torch.repeat_interleave(experts, counts, output_size=p)  # no host sync
+    out = x_sorted.new_zeros(x_sorted.shape)
+    for e in range(n_experts):
+        y = expert_mlp(
+            x_sorted,
+            w1.expert(e),
+            w3.expert(e),
+            w2.expert(e),
+            swiglu_limit=swiglu_limit,
+            quant=quant,
+            route_weight=route_weight,
+        )
+        out = torch.where((owner == e)[:, None], y, out)
+    return out
+
+
 def sort_by_expert(routing: Routing, n_experts: int) -> tuple[Tensor, Tensor]:
     """(pair order, counts [E]): ``order`` lists the T·k token-expert pairs (flat index t·k + j)
-    grouped by expert, ascending, token order kept inside a group."""
+    grouped by expert, ascending, token order kept inside a group. No host sync (a CUDA
+    `bincount` reads its max on the host; a scatter-add does not)."""
     flat = routing.experts.flatten()
     order = torch.sort(flat, stable=True).indices
-    return order, torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def moe(
@@ -280,9 +324,12 @@ def moe(
     spec: MoeSpec,
     quant: QuantMode,
     backend: GroupedBackend = "auto",
+    shared_mlp: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """The whole MoE on x [T, d] (the ffn_norm output) → x.dtype [T, d]. ``experts``/``shared``
-    are the (w1, w3, w2) projections: w1 gate, w3 up, w2 down."""
+    are the (w1, w3, w2) projections: w1 gate, w3 up, w2 down. ``shared_mlp``, when given,
+    computes the shared expert instead of ``expert_mlp`` on ``shared`` (the layer's routed fp8
+    kernels on CUDA; the same math)."""
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, d], got {tuple(x.shape)}")
     routing = route(x, gate_weight, gate_bias, spec)
@@ -303,5 +350,8 @@ def moe(
     y = per_token[:, 0].float()
     for j in range(1, k):  # ascending expert order, as the reference's accumulation
         y = y + per_token[:, j].float()
-    y = y + expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant).float()
+    if shared_mlp is None:
+        y = y + expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant).float()
+    else:
+        y = y + shared_mlp(x).float()
     return y.to(x.dtype)

@@ -1,4 +1,8 @@
-"""CP=N vs CP=1 agreement on the tiny model: the engine behind `dsv4cp check` and `demo`.
+"""CP=N vs CP=1 agreement: the engine behind `dsv4cp check` and `demo`.
+
+The model is the tiny config with the whole V4.1 block (`DeepseekV41Config.tiny_full()`: mHC and a
+small MoE around the attention) with seeded random weights, or a released-format checkpoint
+(`Scenario.checkpoint`, e.g. the tiny reference fixture: Engram included).
 
 A scenario is a batch of prompts, each with a cached prefix prefilled first and the rest sent in
 chunks; every rank runs the same scenario and rank 0 reports logits, per-layer hidden rows of
@@ -36,9 +40,13 @@ class Scenario:
     graphs: bool = False  # capture the prefill batches as breakable CUDA graphs (CUDA)
     dtype: str = "float32"
     device: str = "cpu"
-    config: DeepseekV41Config = field(default_factory=DeepseekV41Config.tiny)
+    config: DeepseekV41Config = field(default_factory=DeepseekV41Config.tiny_full)
+    checkpoint: str | None = None  # a released-format checkpoint directory (config from it)
+    quant: str = "none"
 
     def __post_init__(self) -> None:
+        if self.checkpoint is not None:
+            object.__setattr__(self, "config", DeepseekV41Config.from_hf(self.checkpoint))
         if not self.lens or any(n < 1 for n in self.lens):
             raise ValueError(f"lens must be positive integers, got {list(self.lens)}")
         prefix = self.prefix or (0,) * len(self.lens)
@@ -114,13 +122,22 @@ def recording(model: DeepseekV41Model) -> Iterator[LayerRecorder]:
         model.layer_hook = None
 
 
+def build_model(sc: Scenario) -> DeepseekV41Model:
+    """The scenario's model: its checkpoint, else `sc.config` with weights seeded by `sc.seed`."""
+    dtype = getattr(torch, sc.dtype)
+    if sc.checkpoint is not None:
+        return DeepseekV41Model.from_checkpoint(
+            sc.checkpoint, quant=sc.quant, dtype=dtype, device=sc.device
+        )
+    return DeepseekV41Model(sc.config, dtype=dtype, device=sc.device, seed=sc.seed, quant=sc.quant)
+
+
 def run_scenario(
     sc: Scenario, cp: CPGroup | None = None, *, timer: StageTimer | None = None
 ) -> dict[str, Tensor]:
     """Run `sc` on this rank; returns CPU tensors keyed by what they are."""
     cp = cp or SingleCPGroup()
-    dtype = getattr(torch, sc.dtype)
-    model = DeepseekV41Model(sc.config, dtype=dtype, device=sc.device, seed=sc.seed)
+    model = build_model(sc)
     total = sum(sc.lens)
     graphs = None
     if sc.graphs:

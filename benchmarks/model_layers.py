@@ -1,0 +1,240 @@
+"""Whole V4.1 blocks at Flash dims: tokens/s, time split attention / MoE / mHC, the MoE against its
+GEMM floor, and the GPU path (Triton kernels, grouped MoE) against the torch path.
+
+Six blocks, one of each layer role (SWA; ratio-2 kv+index source; ratio-2 top-k reuse; ratio-1 kv
++ index + candidate source; ratio-1 reuse; ratio-1 candidate consumer) at the real Flash dims
+(d 5120, 64 heads × 512, 32 index heads × 128, top-k 512, window 128), each with hyper-connections
+(4 streams, 20 Sinkhorn rounds) and the MoE (384 fp4 experts top-6 + the fp8 shared expert,
+inter 2304), random weights, bf16, one request, eager (the grouped MoE syncs the host per chunk
+of 32 experts, so it is not captured). No Engram (its 189 GiB tables) and vocab 4096.
+
+- tokens/s: median of `--iters` prefills (CUDA events), per token count (`--tokens`).
+- split: one more prefill with the stage timer (syncs around each stage): `moe` → MoE, `mhc` →
+  mHC, the attention's stages → attention, the rest (embedding, norms, head) → other.
+- MoE floor: its GEMM FLOPs, 2·3·d·inter per token and expert (6 routed + 1 shared), at the bf16
+  and fp8 tensor-core ceilings measured in the same run (8192³ `torch.mm` bf16 and
+  `torch._scaled_mm` e4m3); `moe_vs_bf16_floor` = MoE time / floor time.
+- equality: `--check-tokens` tokens through the GPU path (routed Triton kernels, `grouped_mm`
+  experts) and the torch path (`DSV4CP_KERNELS=torch`, the experts' `loop` backend) on the same
+  weights, in `--check-quant` (default none: the qat twin of 384 fp4 experts is a per-32-block
+  fp64 loop, minutes at these dims): relative rms of the final hidden rows and logits, top-1
+  agreement (bf16: they agree up to rounding and its rare expert-choice flips).
+- `--quant` (default qat, the released numerics) is the mode timed.
+
+    PYTHONPATH=python python -m benchmarks.model_layers --tokens 4096,16384 \
+        --out out/model_layers.json
+    PYTHONPATH=python python -m benchmarks.model_layers --smoke   # CPU, tiny dims
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.model import DeepseekV41Model
+from dsv4cp.observe.timing import StageTimer
+from dsv4cp.runner import PrefillRunner
+
+ROLES = dict(
+    num_hidden_layers=6,
+    compress_ratios=(0, 2, 2, 1, 1, 1),
+    kv_source_layer_ids=(1, 3),
+    index_source_layer_ids=(1, 3, 5),
+    candidate_source_layer_id=3,
+    num_nextn_predict_layers=0,
+    dspark_target_layer_ids=(),
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
+)
+
+
+def layer_subset_config(*, blocks: bool = True, **overrides: Any) -> DeepseekV41Config:
+    """Flash dims, six layers (one per role), no DSpark or Engram. `blocks`: mHC + MoE as
+    released; False: one residual stream and a dense SwiGLU FFN (attention benchmarks)."""
+    extra: dict[str, Any] = {} if blocks else dict(hc_mult=1, n_routed_experts=0)
+    return DeepseekV41Config.flash(**{**ROLES, "vocab_size": 4096, **extra, **overrides})
+
+
+def moe_gemm_flops(cfg: DeepseekV41Config, tokens: int) -> float:
+    """GEMM FLOPs of every MoE layer for `tokens` tokens: k routed + 1 shared expert each."""
+    per_token_expert = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    experts = cfg.num_experts_per_tok + cfg.n_shared_experts
+    return per_token_expert * experts * tokens * cfg.num_hidden_layers
+
+
+def gemm_ceilings(n: int = 8192) -> dict[str, float]:
+    """TFLOP/s of an n³ GEMM in bf16 and in fp8 e4m3 (`torch._scaled_mm`, fp32 scales)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = {"bf16": tflops(2 * n**3, time_cuda(lambda: a @ b, warmup=3, iters=10)["median_ms"])}
+    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    try:
+        ms = time_cuda(
+            lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup=3, iters=10
+        )["median_ms"]
+        out["fp8"] = tflops(2 * n**3, ms)
+    except RuntimeError as e:  # no fp8 tensor cores on this device
+        print(f"  fp8 ceiling not measured: {e}", file=sys.stderr)
+    return out
+
+
+def split_stages(rows: list[tuple[str, float, int]], total_ms: float) -> dict[str, float]:
+    """Stage timer rows → ms of attention / moe / mhc / other (what no stage covers)."""
+    out = {"attention_ms": 0.0, "moe_ms": 0.0, "mhc_ms": 0.0}
+    for name, ms, _ in rows:
+        key = {"moe": "moe_ms", "ffn": "moe_ms", "mhc": "mhc_ms"}.get(name, "attention_ms")
+        out[key] += ms
+    out["other_ms"] = max(total_ms - sum(out.values()), 0.0)
+    return out
+
+
+@contextmanager
+def torch_path(model: DeepseekV41Model) -> Iterator[None]:
+    """The torch twins everywhere: DSV4CP_KERNELS=torch and the experts' loop backend."""
+    old = os.environ.get("DSV4CP_KERNELS")
+    os.environ["DSV4CP_KERNELS"] = "torch"
+    model.set_moe_backend("loop")
+    try:
+        yield
+    finally:
+        model.set_moe_backend("auto")
+        if old is None:
+            del os.environ["DSV4CP_KERNELS"]
+        else:
+            os.environ["DSV4CP_KERNELS"] = old
+
+
+def _runner(model: DeepseekV41Model, tokens: int) -> PrefillRunner:
+    return PrefillRunner(model, num_slots=tokens + 64, max_requests=2, max_context=tokens + 16)
+
+
+def _prefill(model: DeepseekV41Model, prompt: list[int], *, timer: StageTimer | None = None):
+    runner = _runner(model, len(prompt))
+    out = runner.prefill({"r": prompt}, return_all_logits=True, timer=timer)
+    return out.hidden.float(), out.all_logits
+
+
+def check_paths(model: DeepseekV41Model, tokens: int) -> dict[str, Any]:
+    prompt = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
+    with torch.inference_mode():
+        h_fast, lg_fast = _prefill(model, prompt)
+        with torch_path(model):
+            h_ref, lg_ref = _prefill(model, prompt)
+    assert lg_fast is not None and lg_ref is not None
+
+    def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    res = {
+        "check_tokens": tokens,
+        "hidden_rms_rel": rms_rel(h_fast, h_ref),
+        "logits_rms_rel": rms_rel(lg_fast, lg_ref),
+        "logits_top1_agree": float((lg_fast.argmax(-1) == lg_ref.argmax(-1)).float().mean()),
+    }
+    res["equal_up_to_bf16"] = res["hidden_rms_rel"] <= 2e-2 and res["logits_top1_agree"] >= 0.98
+    return res
+
+
+def measure(model: DeepseekV41Model, tokens: int, iters: int, device: str) -> dict[str, Any]:
+    cfg = model.config
+    prompt = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
+    runner = _runner(model, tokens)
+
+    def step() -> None:
+        runner.prefill({"r": prompt})
+        runner.release("r")
+
+    with torch.inference_mode():
+        stats = time_cuda(step, warmup=2, iters=iters, device=device)
+        timer = StageTimer(device)
+        t0 = time.perf_counter()
+        runner.prefill({"r": prompt}, timer=timer)
+        runner.release("r")
+        timed_ms = (time.perf_counter() - t0) * 1e3
+    ms = stats["median_ms"]
+    row: dict[str, Any] = {"tokens": tokens, "ms": ms, "tok_per_s": tokens / (ms / 1e3)}
+    row.update(split_stages(timer.rows(), timed_ms))
+    row["stage_timed_ms"] = timed_ms
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="4096,16384", help="prompt lengths")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--check-tokens", type=int, default=1024, help="GPU vs torch path size")
+    ap.add_argument("--quant", choices=["qat", "none"], default="qat", help="mode timed")
+    ap.add_argument("--check-quant", choices=["qat", "none"], default="none")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (tiny_full config)")
+    ap.add_argument("--out", default="out/model_layers.json")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        quantized = DeepseekV41Config.flash().quantization  # qat needs the released storage
+        device, cfg = "cpu", DeepseekV41Config.tiny_full(quantization=quantized)
+        tokens = [64, 192]
+        args.check_tokens = min(args.check_tokens, 48)
+    else:
+        if not torch.cuda.is_available():
+            print("model_layers: needs a CUDA GPU (or --smoke on CPU)", file=sys.stderr)
+            return 2
+        device, cfg = "cuda", layer_subset_config()
+        tokens = [int(v) for v in args.tokens.split(",")]
+    t0 = time.perf_counter()
+    model = DeepseekV41Model(cfg, dtype=torch.bfloat16, device=device, seed=None, quant=args.quant)
+    model.init_random(0, device=device)
+    if device == "cuda":
+        model.set_moe_backend("grouped_mm")  # never a Python loop over 384 experts
+    print(f"  built {cfg.num_hidden_layers} blocks in {time.perf_counter() - t0:.1f} s", flush=True)
+    ceilings = gemm_ceilings() if device == "cuda" else {}
+    model.set_quant(args.check_quant)
+    check = {"quant": args.check_quant, **check_paths(model, args.check_tokens)}
+    model.set_quant(args.quant)
+    print(f"  GPU path vs torch path: {check}", flush=True)
+    table = Table(
+        title=f"{cfg.num_hidden_layers} V4.1 blocks (one per role), d {cfg.hidden_size}, MoE "
+        f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, mHC x{cfg.hc_mult}, bf16, "
+        f"quant={model.quant}, {device}"
+    )
+    rows = []
+    for t in tokens:
+        row = measure(model, t, args.iters, device)
+        flops = moe_gemm_flops(cfg, t)
+        row["moe_tflops"] = tflops(flops, row["moe_ms"]) if row["moe_ms"] > 0 else None
+        for kind, ceiling in ceilings.items():
+            floor_ms = flops / (ceiling * 1e12) * 1e3
+            row[f"moe_{kind}_floor_ms"] = floor_ms
+            row[f"moe_vs_{kind}_floor"] = row["moe_ms"] / floor_ms
+        rows.append(row)
+        table.add(row)
+        print(f"  {t} tokens: {row['tok_per_s']:.0f} tok/s", flush=True)
+    table.print()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(
+        args.out,
+        {
+            "benchmark": "model_layers",
+            "dtype": "bfloat16",
+            "quant": model.quant,
+            "config": {k: getattr(cfg, k) for k in ("hidden_size", "n_routed_experts", "hc_mult")},
+            "gemm_ceiling_tflops": ceilings,
+            "paths": check,
+            "rows": rows,
+            "device": device_info(),
+        },
+    )
+    print(f"wrote {args.out}")
+    return 0 if check["equal_up_to_bf16"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

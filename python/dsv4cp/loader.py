@@ -1,0 +1,252 @@
+"""Load a released-format DeepSeek-V4.1 checkpoint into a `DeepseekV41Model` (text only).
+
+What is read: every tensor the model holds (`DeepseekV41Model.checkpoint_weights`: embedding,
+final norm, head, and per block its norms, hyper-connections, attention, MoE and Engram
+projections), and each Engram layer's table, attached as a read-only memmap of its shard
+(`CheckpointReader.memmap`: only looked-up rows are ever read). What is skipped, by name and on
+purpose, with one log line: the vision tower (`vision.*`, `aligner.*`, `image_*`, and each MoE
+gate's `gate.bias_vl`, the routing bias of image tokens) and the DSpark draft layers (`mtp.*`).
+Any other name the model does not expect, or any name it expects that the checkpoint lacks, is
+one `CheckpointError` listing them all (unexpected ones with their shard).
+
+How: per group (the top-level tensors, then each block) `checkpoint.load_into` reads and checks
+every tensor (kind dtype, scale layout, shape) before writing any; an fp8 weight whose model
+tensor is not fp8 (today's dense attention projections, `wo_a`) is dequantized with its `.scale`
+(the scale is then consumed); a float tensor stored narrower than the model holds it (bf16 into
+an fp32 model) is widened exactly. Every loaded tensor is checked finite (NaN/inf, fp8 NaN codes,
+e8m0 0xFF): an error names the tensor and its shard. A failed load leaves the model unusable;
+`DeepseekV41Model.from_checkpoint` then returns nothing. One progress line per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from dsv4cp.checkpoint import CheckpointError, CheckpointReader, load_into, tensor_kind
+from dsv4cp.checkpoint.formats import scale_name
+from dsv4cp.checkpoint.header import safetensors_dtype, torch_dtype
+from dsv4cp.checkpoint.validate import check_quantized_weight
+from dsv4cp.layers.block import DeepseekV41Block
+from dsv4cp.layers.engram import TABLE_NAMES, Engram
+from dsv4cp.ops.engram import RowSource
+from dsv4cp.ops.engram_hash import NgramHasher
+
+logger = logging.getLogger("dsv4cp.loader")
+
+# (what, why, name pattern) of the tensors text prefill does not read.
+SKIPPED = (  # first match wins: a DSpark stage's gate.bias_vl counts as DSpark
+    ("DSpark", "no DSpark draft layers", re.compile(r"^mtp\.")),
+    ("vision", "no vision tower", re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$")),
+)
+TOKENIZER_FILE = "tokenizer.json"
+_MAX_LISTED = 20
+
+
+class DeepseekV41Model(Protocol):
+    """What the loader needs of `dsv4cp.model.DeepseekV41Model` (which imports this module)."""
+
+    config: Any
+
+    @property
+    def blocks(self) -> list[DeepseekV41Block]: ...
+
+    @property
+    def engram_layers(self) -> list[Engram]: ...
+
+    def checkpoint_weights(self) -> dict[str, Tensor]: ...
+
+    def attach_engram(
+        self, hasher: NgramHasher, tables: dict[int, tuple[RowSource, RowSource]]
+    ) -> None: ...
+
+
+@dataclass
+class LoadReport:
+    """What `load_checkpoint` did: counts per kind of handling, and the skipped names."""
+
+    loaded: int = 0  # tensors copied into the model (scales consumed by dequantization excluded)
+    dequantized: list[str] = field(default_factory=list)
+    widened: list[str] = field(default_factory=list)
+    engram_tables: list[str] = field(default_factory=list)
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def skipped_kind(name: str) -> str | None:
+    """'vision' / 'DSpark' for a tensor text prefill skips on purpose, else None."""
+    for kind, _, pattern in SKIPPED:
+        if pattern.search(name):
+            return kind
+    return None
+
+
+def engram_table_names(model: DeepseekV41Model) -> dict[int, tuple[str, str]]:
+    """Engram layer → (table codes name, table scales name)."""
+    weight, scale = TABLE_NAMES
+    return {
+        e.layer_id: (f"layers.{e.layer_id}.engram.{weight}", f"layers.{e.layer_id}.engram.{scale}")
+        for e in model.engram_layers
+    }
+
+
+def _dense_from_fp8(name: str, slot: Tensor) -> bool:
+    """The release stores `name` fp8 (with a `.scale`) but the model holds it dense: it loads
+    dequantized and its scale is read with it."""
+    return tensor_kind(name) == "fp8" and slot.dtype != torch.float8_e4m3fn
+
+
+def expected_names(model: DeepseekV41Model) -> set[str]:
+    """Every text tensor name the loader reads: the model's own tensors, the `.scale` of each
+    fp8 weight it holds dequantized, and the Engram tables (skipped names excluded)."""
+    names = set()
+    for name, slot in model.checkpoint_weights().items():
+        names.add(name)
+        if _dense_from_fp8(name, slot):
+            names.add(scale_name(name))
+    for pair in engram_table_names(model).values():
+        names.update(pair)
+    return names
+
+
+def _check_names(reader: CheckpointReader, model: DeepseekV41Model) -> dict[str, list[str]]:
+    skipped: dict[str, list[str]] = {kind: [] for kind, _, _ in SKIPPED}
+    text = set()
+    for n in reader.names():
+        kind = skipped_kind(n)
+        if kind is None:
+            text.add(n)
+        else:
+            skipped[kind].append(n)
+    want = expected_names(model)
+    missing, unexpected = sorted(want - text), sorted(text - want)
+    if missing or unexpected:
+        lines = [f"{reader.root}: the checkpoint does not match the model's text tensors"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing[:_MAX_LISTED]))
+        for n in unexpected[:_MAX_LISTED]:
+            lines.append(f"  unexpected: {n!r} in {reader.file_of(n)}")
+        if len(unexpected) > _MAX_LISTED:
+            lines.append(f"  … and {len(unexpected) - _MAX_LISTED} more unexpected")
+        raise CheckpointError("\n".join(lines))
+    return skipped
+
+
+def nonfinite(t: Tensor) -> int:
+    """Elements of t that are NaN or ±inf (fp8 e4m3 NaN codes, e8m0 0xFF); 0 for integers."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if t.dtype == torch.float8_e8m0fnu:
+        return int((t.view(torch.uint8) == 0xFF).sum())
+    if t.is_floating_point():
+        return int((~torch.isfinite(t)).sum())
+    return 0
+
+
+def _load_group(reader: CheckpointReader, slots: dict[str, Tensor], report: LoadReport) -> None:
+    """Read, check and copy one group of tensors (nothing written unless all of it passed)."""
+    direct: dict[str, Tensor] = {}
+    staged: dict[str, Tensor] = {}  # stored narrower than the model: read as stored, widened
+    dequant = []
+    for name, slot in slots.items():
+        stored = reader.spec(name)
+        if _dense_from_fp8(name, slot):
+            dequant.append(name)
+            direct[name] = slot
+        elif stored.dtype == safetensors_dtype(slot.dtype):
+            direct[name] = slot
+        else:
+            have = torch_dtype(stored.dtype)
+            if not (
+                have.is_floating_point
+                and slot.dtype.is_floating_point
+                and have.itemsize < slot.dtype.itemsize
+                and tensor_kind(name) in ("bf16", "f32", None)
+            ):
+                raise CheckpointError(
+                    f"{stored.file}: tensor {name!r} is {stored.dtype}, the model holds "
+                    f"{safetensors_dtype(slot.dtype)}"
+                )
+            staged[name] = torch.empty(slot.shape, dtype=have, device=slot.device)
+    load_into({**direct, **staged}, reader, list(direct) + list(staged), dequantize=dequant)
+    for name in list(direct) + list(staged):
+        t = staged.get(name, direct.get(name))
+        assert t is not None
+        bad = nonfinite(t)
+        if bad:
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {name!r} has {bad} non-finite value(s)"
+            )
+    with torch.no_grad():
+        for name, t in staged.items():
+            slots[name].copy_(t.to(slots[name].dtype))
+    report.loaded += len(slots)
+    report.dequantized += dequant
+    report.widened += list(staged)
+
+
+def _engram_tables(
+    reader: CheckpointReader, model: DeepseekV41Model, report: LoadReport
+) -> dict[int, tuple[RowSource, RowSource]]:
+    tables: dict[int, tuple[RowSource, RowSource]] = {}
+    for layer, (weight, scale) in engram_table_names(model).items():
+        check_quantized_weight(reader, weight, "fp8_rows")
+        tables[layer] = (reader.memmap(weight), reader.memmap(scale))
+        report.engram_tables += [weight, scale]
+    return tables
+
+
+def _hasher(path: Path, model: DeepseekV41Model) -> NgramHasher:
+    from tokenizers import Tokenizer
+
+    file = path / TOKENIZER_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file}: Engram layers hash token ids through the tokenizer")
+    return NgramHasher.build(model.config, Tokenizer.from_file(str(file)))
+
+
+def load_checkpoint(
+    model: DeepseekV41Model,
+    path: str | Path,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> LoadReport:
+    """Load the checkpoint at `path` into `model` (see the module docstring); `progress` gets
+    one line per block (default: the `dsv4cp.loader` logger at INFO)."""
+    say = progress or logger.info
+    t0 = time.perf_counter()
+    path = Path(path)
+    report = LoadReport()
+    with CheckpointReader(path) as reader:
+        report.skipped = _check_names(reader, model)
+        parts = [
+            f"{len(v)} {kind} tensors ({why})"
+            for (kind, why, _), v in zip(SKIPPED, report.skipped.values())
+            if v
+        ]
+        if parts:
+            say(f"dsv4cp: skipping {' and '.join(parts)}: text prefill does not read them")
+        slots = model.checkpoint_weights()
+        top = {n: slots[n] for n in ("embed.weight", "norm.weight", "head.weight")}
+        _load_group(reader, top, report)
+        n_blocks = len(model.blocks)
+        for block in model.blocks:
+            prefix = f"layers.{block.layer}."
+            _load_group(reader, block.checkpoint_slots(prefix), report)
+            say(
+                f"dsv4cp: loaded block {block.layer + 1}/{n_blocks} "
+                f"({report.loaded} tensors, {time.perf_counter() - t0:.1f} s)"
+            )
+        if model.engram_layers:
+            tables = _engram_tables(reader, model, report)
+            model.attach_engram(_hasher(path, model), tables)
+    report.seconds = time.perf_counter() - t0
+    return report

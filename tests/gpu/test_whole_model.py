@@ -1,0 +1,108 @@
+"""The whole model on CUDA: the GPU path (routed Triton kernels, `grouped_mm` experts, Engram rows
+read from the host memmap) against the torch path and against DeepSeek's reference outputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4cp.config import DeepseekV41Config
+from dsv4cp.cp.group import SingleCPGroup
+from dsv4cp.cp.launch import run_cp
+from dsv4cp.model import DeepseekV41Model
+from dsv4cp.runner import PrefillRunner
+from dsv4cp.tools.reference_check import block_agreement, logits_agreement
+from tests.model import test_whole_model_reference as composition
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _logits(model: DeepseekV41Model, prompt: list[int], *, torch_path: bool) -> torch.Tensor:
+    old = os.environ.get("DSV4CP_KERNELS")
+    if torch_path:
+        os.environ["DSV4CP_KERNELS"] = "torch"
+        model.set_moe_backend("loop")
+    try:
+        runner = PrefillRunner(model, num_slots=1024, max_context=512)
+        out = runner.prefill({"a": prompt}, return_all_logits=True).all_logits
+        assert out is not None
+        return out.cpu()
+    finally:
+        model.set_moe_backend("auto")
+        if old is None:
+            os.environ.pop("DSV4CP_KERNELS", None)
+        else:
+            os.environ["DSV4CP_KERNELS"] = old
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_full_gpu_path_equals_torch_path(dtype: str) -> None:
+    model = DeepseekV41Model(
+        DeepseekV41Config.tiny_full(), dtype=getattr(torch, dtype), device="cuda", seed=3
+    )
+    prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    fast = _logits(model, prompt, torch_path=False)
+    ref = _logits(model, prompt, torch_path=True)
+    got = logits_agreement(fast, ref)
+    limit = 1e-4 if dtype == "float32" else 2e-2  # TF32-free fp32 vs bf16 rounding
+    assert got["rms_rel"] <= limit and got["top1_agree"] >= 0.98, got
+
+
+@pytest.fixture(scope="module")
+def cuda_composed() -> dict[str, torch.Tensor]:
+    """The fixture model on CUDA, everything but the attention in qat (teacher-forced attention:
+    tests/model/test_whole_model_reference.py); the Engram tables stay host memmaps."""
+    return composition.run_composed(SingleCPGroup(), (61,), device="cuda")
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_composition_on_cuda_matches_the_reference(cuda_composed, i: int) -> None:
+    got = block_agreement(cuda_composed[f"layer{i}"], composition.ref(f"block{i}.out"), ulps=1)
+    assert got["tf_token_agree"] >= composition.TOKEN_SHARE, (i, got)
+    assert got["rms_rel"] <= composition.RMS_REL, (i, got)
+
+
+def test_composition_logits_on_cuda(cuda_composed) -> None:
+    got = logits_agreement(cuda_composed["logits"], composition.ref("full_logits"))
+    assert got["rms_rel"] <= 1e-3 and got["top1_agree"] >= 60 / 61, got
+
+
+def test_tiny_full_cp4_fake_on_one_gpu_equals_cp1() -> None:
+    cfg = DeepseekV41Config.tiny_full()
+    prompt = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def rank(group):  # noqa: ANN001, ANN202
+        model = DeepseekV41Model(cfg, device="cuda", seed=4)
+        runner = PrefillRunner(model, cp=group, num_slots=512, max_context=256)
+        return runner.prefill({"a": prompt}, return_all_logits=True).all_logits.cpu()
+
+    one = rank(SingleCPGroup())
+    four = run_cp(4, rank, backend="fake")[0]
+    assert logits_agreement(four, one)["rms_rel"] <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_full_graph_replay_equals_eager(dtype: str) -> None:
+    """mHC and the MoE under breakable CUDA graphs: no host sync in the captured forward (the
+    experts' masked backend in fp32, one grouped_mm chunk in bf16; counts by scatter-add)."""
+    from dsv4cp.graphs.runner import GraphConfig
+
+    model = DeepseekV41Model(
+        DeepseekV41Config.tiny_full(), dtype=getattr(torch, dtype), device="cuda", seed=6
+    )
+    gcfg = GraphConfig(buckets=(64,), max_requests=2, max_context=256)
+    graphs = PrefillRunner(model, num_slots=1024, max_context=512, graphs=gcfg)
+    eager = PrefillRunner(model, num_slots=1024, max_context=512)
+    prompt = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(2)).tolist()
+    for runner in (graphs, eager):
+        runner.prefill({"a": prompt[:60]})
+    a = graphs.prefill({"a": prompt[60:]}, return_all_logits=True).all_logits
+    b = eager.prefill({"a": prompt[60:]}, return_all_logits=True).all_logits
+    assert graphs.graph_runner is not None and graphs.graph_runner.fallbacks == 0
+    limit = 1e-4 if dtype == "float32" else 2e-2
+    assert logits_agreement(a.cpu(), b.cpu())["rms_rel"] <= limit
