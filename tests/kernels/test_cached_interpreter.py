@@ -7,8 +7,10 @@ As in test_interpreter.py, the cases run in one child process started with TRITO
 - Decoding is exact: with one valid key and no sink, the attention returns that key, so every
   fp8 / fp4 code and scale byte the quantizers can produce is checked bit for bit.
 - quant "none": kernel vs twin to fp32 rounding (relative error < 1e-5).
-- quant "qat" attention: the kernel's base-2 exponentials round differently from torch.exp and
-  p is then rounded to bf16 (2⁻⁹ relative), so < 2e-3 relative.
+- quant "qat" attention: the kernel's base-2 exponentials round differently from torch.exp, and
+  a p that lands near a bf16 rounding midpoint may round the other way: < 1e-4 relative. The
+  blocks of 64 run over the concatenated list (16 SWA + 90 compressed indices straddle a block):
+  with separate blocks per source the error was ~1e-3 (each block's max sets p's rounding).
 - quant "qat" index logits with fp4 keys and fake-fp4 queries: products and sums are exact, so
   bit for bit.
 """
@@ -147,7 +149,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
     def attention_matches_twin():
         q, swa_v, comp_v, si, ci, sink = _inputs(6, 4, 64, 40, 300, 16, 90, 1)
         combos = (("dense", "dense"), ("fp8_ue8m0_32", "fp4_e4m3_16"), ("fp8_ue8m0_32", "dense"))
-        for quant, tol in (("none", 1e-5), ("qat", 2e-3)):
+        for quant, tol in (("none", 1e-5), ("qat", 1e-4)):
             for sf, cf in combos:
                 swa = encode_rows(swa_v, sf, dense_dtype=torch.float32)
                 comp = encode_rows(comp_v, cf, dense_dtype=torch.float32)

@@ -44,4 +44,6 @@ def e4m3_rne(v):
     ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     # + 1.5·2^23 − 1.5·2^23 rounds mag/ulp (< 16, exact) to an integer, half to even
     rounded = ((mag / ulp + 12582912.0) - 12582912.0) * ulp
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
+    # the sign bit copied, not negated: -(+0.0) may compile to 0 - 0 = +0 on the GPU
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

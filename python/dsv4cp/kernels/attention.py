@@ -14,10 +14,11 @@ query multiplies the same tensor-core inputs as with a dense cache of the dequan
 No workspace is built: the caches are read in place.
 
 quant="qat" follows the reference's `sparse_attn` order (ops.attention_quant.sparse_attention_qat):
-blocks of 64 indices, the running max starting at −1e30 without the sink, the probabilities
-rounded to bf16 for p·v (the running sum keeps fp32 p), the sink's term added at the end. The
-kernel works in base 2 (exp2 of log2(e)-scaled scores), so it agrees with the torch order to
-fp32 rounding, not bit for bit.
+blocks of 64 indices over the one concatenated list (SWA indices, then compressed: a block may
+straddle the two sources, as it does when the window is not a multiple of 64), the running max
+starting at −1e30 without the sink, the probabilities rounded to bf16 for p·v (the running sum
+keeps fp32 p), the sink's term added at the end. The kernel works in base 2 (exp2 of
+log2(e)-scaled scores), so it agrees with the torch order to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +41,30 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels read it, the host 
 
 
 @triton.jit
+def _online_update(
+    q, m, l_sum, acc, kv, valid, qk_scale, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """One block of keys (K = V) into the fp32 online softmax; returns (m, l_sum, acc)."""
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    else:
+        kv = kv.to(q.dtype)  # decoded values are exact in bf16 / fp16
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if QAT:  # the reference rounds p to bf16 for p·v (interpreter: emulate the RNE cast)
+        p = to_dtype(p, tl.bfloat16, RNE)
+    acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _attend_source(
     q,
     m,
@@ -58,7 +83,6 @@ def _attend_source(
     FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    QAT: tl.constexpr,
     RNE: tl.constexpr,
 ):
     """The online-softmax update over one source's indices; returns (m, l_sum, acc)."""
@@ -68,22 +92,44 @@ def _attend_source(
         valid = (idx >= 0) & (idx < N)
         rows = kv_ptr + idx[:, None].to(tl.int64) * stride_kvn
         kv = load_key_rows(rows, d, valid[:, None] & d_ok[None, :], D, FMT)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        else:
-            kv = kv.to(q.dtype)  # decoded values are exact in bf16 / fp16
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if QAT:  # the reference rounds p to bf16 for p·v (interpreter: emulate the RNE cast)
-            p = to_dtype(p, tl.bfloat16, RNE)
-        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
-        m = m_new
+        m, l_sum, acc = _online_update(
+            q, m, l_sum, acc, kv, valid, qk_scale, UPCAST, DOT_PREC, False, RNE
+        )
+    return m, l_sum, acc
+
+
+@triton.jit
+def _attend_concatenated(
+    q, m, l_sum, acc,
+    swa_ptr, swa_idx_row, N_SWA, NUM_SWA_IDX, stride_swa,
+    comp_ptr, comp_idx_row, N_COMP, NUM_COMP_IDX, stride_comp,
+    qk_scale, d, d_ok, D: tl.constexpr, BLOCK_N: tl.constexpr, SWA_FMT: tl.constexpr,
+    COMP_FMT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """qat: blocks of BLOCK_N over the concatenated index list (SWA indices, then compressed), as
+    the reference's `sparse_attn` walks its one list: a block may hold keys of both sources, and
+    each block's max sets the bf16 rounding of its p."""
+    for start in range(0, NUM_SWA_IDX + NUM_COMP_IDX, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        in_swa = offs < NUM_SWA_IDX
+        c_offs = offs - NUM_SWA_IDX
+        in_comp = (c_offs >= 0) & (c_offs < NUM_COMP_IDX)
+        si = tl.load(swa_idx_row + offs, mask=in_swa, other=-1)
+        ci = tl.load(comp_idx_row + c_offs, mask=in_comp, other=-1)
+        s_ok = in_swa & (si >= 0) & (si < N_SWA)
+        c_ok = in_comp & (ci >= 0) & (ci < N_COMP)
+        ks = load_key_rows(
+            swa_ptr + si[:, None].to(tl.int64) * stride_swa, d, s_ok[:, None] & d_ok[None, :],
+            D, SWA_FMT,
+        )  # fmt: skip
+        kc = load_key_rows(
+            comp_ptr + ci[:, None].to(tl.int64) * stride_comp, d, c_ok[:, None] & d_ok[None, :],
+            D, COMP_FMT,
+        )  # fmt: skip
+        kv = tl.where(s_ok[:, None], ks.to(tl.float32), kc.to(tl.float32))
+        m, l_sum, acc = _online_update(
+            q, m, l_sum, acc, kv, s_ok | c_ok, qk_scale, UPCAST, DOT_PREC, True, RNE
+        )
     return m, l_sum, acc
 
 
@@ -142,16 +188,23 @@ def _sparse_attention_kernel(
         m = sink
         l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-    m, l_sum, acc = _attend_source(
-        q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-        stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, QAT, RNE,
-    )  # fmt: skip
-    m, l_sum, acc = _attend_source(
-        q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
-        stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, QAT, RNE,
-    )  # fmt: skip
     if QAT:
+        m, l_sum, acc = _attend_concatenated(
+            q, m, l_sum, acc,
+            swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX, stride_swa,
+            comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX, stride_comp,
+            qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, COMP_FMT, UPCAST, DOT_PREC, RNE,
+        )  # fmt: skip
         l_sum = l_sum + tl.exp2(sink - m)
+    else:
+        m, l_sum, acc = _attend_source(
+            q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
+            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, RNE,
+        )  # fmt: skip
+        m, l_sum, acc = _attend_source(
+            q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
+            stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, RNE,
+        )  # fmt: skip
     o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -2,16 +2,19 @@
 
 Twins: `dsv4cp.ops.quant.act_quant_fp8` and `dsv4cp.ops.linear.fp8_linear` (same signatures;
 docs/quantization.md). cuBLAS has no per-32 block scales on Hopper, so the GEMM is ours: one
-program owns a BLOCK_M × BLOCK_N fp32 tile and walks K in steps of 32, exactly one fp8 tensor-core
-k-step and one quantization block. Each step's fresh partial product is scaled by the activation
-row's and the weight block's power-of-two scales and added to the tile in K order, as the
-reference's kernel (`fp8_gemm`, DeepSeek-V4.1 `inference/kernel.py`) does.
+program owns a BLOCK_M × BLOCK_N fp32 tile and walks K in steps of 32, one quantization block per
+step. Each step's fresh partial product is scaled by the activation row's and the weight block's
+power-of-two scales and added to the tile in K order, as the reference's kernel (`fp8_gemm`,
+DeepSeek-V4.1 `inference/kernel.py`) does.
 
 Numerics against the twin: quantization is bit-exact (the e4m3 rounding is done in fp32 on the
-bits, the cast only stores exact values). The GEMM's partial products may differ from the twin's
-exact block sums by the tensor core's accumulation rounding; the scaling (powers of two) and the
-ordered fp32 accumulation are the same. The tile is written in fp32 and cast to the output dtype
-by torch (round to nearest even, also under the CPU interpreter).
+bits, the cast only stores exact values). The k-step multiplies the fp8 values as bf16 (exact)
+with fp32 accumulation: on the H200 an fp8 MMA step left partial sums an output ulp away from the
+twin's often enough that the tiny fixture's blocks stopped matching DeepSeek's reference
+(2026-12-03: 2–8 % of tokens within 2 bf16 ulps, against 98 % with the twin on the same GPU).
+The scaling (powers of two) and the ordered fp32 accumulation are the same. The tile is written
+in fp32 and cast to the output dtype by torch (round to nearest even, also under the CPU
+interpreter).
 """
 
 from __future__ import annotations
@@ -138,8 +141,11 @@ def _fp8_gemm_kernel(
         b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
         if UPCAST:  # the CPU interpreter: fp32 products of the fp8 values
             partial = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:  # one fp8 tensor-core k-step
-            partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        else:
+            # fp8 values are exact in bf16, and bf16 products sum in fp32; Hopper's fp8 MMA keeps
+            # fewer accumulator bits (the partial sums drift from the reference's fp32 by an
+            # output ulp, measured on the H200), so the k-step runs as a bf16 MMA.
+            partial = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), out_dtype=tl.float32)
         sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
         sb = tl.load(bs_ptrs, mask=n_ok, other=0.0)
         acc = acc + partial * sa[:, None] * sb[None, :]

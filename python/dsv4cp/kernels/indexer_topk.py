@@ -482,7 +482,7 @@ def launch_mqa_topk(
                 sk, si, cnt, nv, o, width, p, o.stride(0),
                 K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap,
                 PREFIX=not member_mode,
-                num_warps=max(4, min(16, p * k_pad // 1024)),
+                num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * k_pad // 1024)))),
             )  # fmt: skip
         if blocks_out is not None:
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size
