@@ -141,3 +141,16 @@ def test_failed_cp_run_is_reported_without_a_traceback() -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "dsv4cp check: CP launch failed (backend gloo, cp_size 2, timeout 0.001s)" in proc.stderr
+
+
+def test_entry_point_exits_with_mains_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dsv4cp` (cli.run) exits with main's status; without CUDA work through sys.exit."""
+    from dsv4cp.cli import run
+
+    monkeypatch.setenv("DSV4CP_CLEAN_EXIT", "")
+    with pytest.raises(SystemExit) as e:
+        run(["cache-size", "--tokens", "-3"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        run(["cache-size", "--config", "tiny", "--tokens", "64"])
+    assert e.value.code == 0

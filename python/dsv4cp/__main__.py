@@ -1,3 +1,3 @@
-from dsv4cp.cli import main
+from dsv4cp.cli import run
 
-raise SystemExit(main())
+run()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 COMMANDS = {
     "demo": "dsv4cp.commands.demo_cmd",
@@ -74,3 +76,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if status is None:
             raise
         return status
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The `dsv4cp` entry point: `main`, then exit. After CUDA work the process leaves with
+    `os._exit` once the device is idle and the output flushed: on the H200, interpreter teardown
+    after fake-CP ranks captured CUDA graphs on side streams segfaulted (exit -11) after a
+    passing run (docs/reliability.md, "Exit after CUDA work"). DSV4CP_CLEAN_EXIT=1 keeps the
+    normal teardown."""
+    code = main(argv)
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and torch.cuda.is_initialized()
+        and os.environ.get("DSV4CP_CLEAN_EXIT", "") != "1"
+    ):
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -68,7 +68,9 @@ class MultistreamPolicy:
         return role.owns_compressor or role.index_source
 
     def decide(self, local_tokens: int, *, graphs: bool, cuda: bool) -> bool:
-        if not cuda:
+        if self.mode == "off":
+            use, why = False, "forced off"
+        elif not cuda:
             use, why = False, "CPU has no streams"
         elif self.mode != "auto":
             use, why = self.mode == "on", f"forced {self.mode}"
