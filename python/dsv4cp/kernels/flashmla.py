@@ -10,9 +10,14 @@ shorter rows are padded with -1 here), -1 or ≥ N = skip; attn_sink fp32 [H]. O
 the legacy kernels (`use_legacy=True`); on SM100 the current ones. The math is the op's: the sink
 adds e^{sink} to the softmax denominator with no value vector.
 
-`kv` is the dense bf16 rows attention reads. With quantized caches it must be a dequantized
-workspace bounded by the chunk (the caller builds it); this module only dispatches.
-`DSV4CP_FLASHMLA=off` keeps the Triton kernel (benchmarks compare the two on the same inputs).
+`sparse_attention` takes the dense bf16 rows attention reads. `sparse_attention_cached` (the
+layer's call, routed here) reads the caches in their storage formats: per chunk of query rows it
+decodes the rows the chunk's indices name, each once, into a bf16 workspace of static size (no
+host sync: rows marked, numbered by a prefix sum, indices remapped; `build_workspace`) and calls
+FlashMLA over it; where FlashMLA does not take the query, the Triton cached kernel reads the
+caches in place. The chunk is bounded by WORKSPACE_BUDGET_BYTES (docs/performance.md has the
+memory at 16K-token chunks up to 1M context). `DSV4CP_FLASHMLA=off` keeps the Triton kernels
+(benchmarks compare the two on the same inputs).
 """
 
 from __future__ import annotations
@@ -149,6 +154,7 @@ def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
 # ----------------------------------------------------------------- over the quantized caches
 
 WORKSPACE_BUDGET_BYTES = 1 << 30  # bf16 workspace rows per FlashMLA call (the chunk's bound)
+WORKSPACE_ENV = "DSV4CP_FLASHMLA_WORKSPACE_MIB"  # overrides the budget (MiB)
 MIN_CHUNK_ROWS = 64  # fewer query rows per call than this: the bound is not worth splitting
 _CachedSource = tuple[Tensor, Tensor, str, int]  # cache, indices [T, K], format, row bound
 
@@ -225,9 +231,12 @@ def chunk_bound(sources: list[_CachedSource], rows: int) -> int:
 
 
 def chunks(t: int, sources: list[_CachedSource], row_bytes: int) -> list[tuple[int, int]]:
-    """Query row ranges whose workspace bound fits WORKSPACE_BUDGET_BYTES (halving the chunk)."""
+    """Query row ranges whose workspace bound fits the budget (WORKSPACE_BUDGET_BYTES, or
+    $DSV4CP_FLASHMLA_WORKSPACE_MIB), halving the chunk down to MIN_CHUNK_ROWS."""
+    env = os.environ.get(WORKSPACE_ENV, "").strip()
+    budget = int(float(env) * (1 << 20)) if env else WORKSPACE_BUDGET_BYTES
     step = max(t, 1)
-    while step > MIN_CHUNK_ROWS and chunk_bound(sources, step) * row_bytes > WORKSPACE_BUDGET_BYTES:
+    while step > MIN_CHUNK_ROWS and chunk_bound(sources, step) * row_bytes > budget:
         step = -(-step // 2)
     return [(a, min(t, a + step)) for a in range(0, t, step)]
 
