@@ -164,11 +164,18 @@ def test_misfits_go_to_the_triton_cached_kernel_said_once(
 # ------------------------------------------------------------------ the layer's bounds
 
 
-def _context(cfg: DeepseekV41Config, requests: list[tuple[int, int]], cp: int = 1, rank: int = 0):
-    """Requests (prefix, new tokens) in one batch; slots dense per request."""
+def _context(
+    cfg: DeepseekV41Config,
+    requests: list[tuple[int, int]],
+    cp: int = 1,
+    rank: int = 0,
+    quant: str = "none",
+) -> ForwardContext:
+    """Requests (prefix, new tokens) in one batch; slots dense per request; prefix keys 0."""
     total = sum(p + n for p, n in requests)
-    cache = KVCache(cfg, total + 8, max_requests=len(requests), max_context=max(
-        p + n for p, n in requests) + 4, dtype=torch.bfloat16)  # fmt: skip
+    context = max(p + n for p, n in requests) + 4
+    cache = KVCache(cfg, total + 8, quant=quant, max_requests=len(requests),  # type: ignore[arg-type]
+                    max_context=context, dtype=torch.bfloat16)  # fmt: skip
     slices, slots, base = [], [], 1
     for i, (p, n) in enumerate(requests):
         cache.req_to_token[i, : p + n] = torch.arange(base, base + p + n)
@@ -202,3 +209,40 @@ def test_layer_bounds_cover_the_distinct_rows(cp: int) -> None:
             assert 0 < _distinct(comp) <= comp_bound, layer
         else:
             assert comp_bound == 0
+
+
+@pytest.mark.parametrize("quant", ["none", "qat"])
+@pytest.mark.slow
+def test_layers_on_the_flashmla_path_equal_the_ops_path(
+    monkeypatch: pytest.MonkeyPatch, quant: str
+) -> None:
+    """The roles of a small config with FlashMLA's head shape (64 × 512), three requests with
+    cached prefixes: each layer's forward with its sparse attention sent to the FlashMLA path
+    (the fake computing the ops' attention over the workspace) equals the ops path. The
+    layer's `workspace_rows` travel with the call; a bound below the distinct rows would drop
+    keys and show here."""
+    from benchmarks.layer_peer import build_layers
+
+    import dsv4cp.layers.attention as layer_module
+
+    mod = _install(monkeypatch, QatFakeFlashMLA() if quant == "qat" else FakeFlashMLA())
+    cfg = DeepseekV41Config.tiny(num_attention_heads=64, head_dim=512, qk_rope_head_dim=64)
+    ids = (0, 1, 3, 5)  # SWA, ratio-2 kv + index source, ratio-1 candidate source, consumer
+    layers = build_layers(cfg, ids, torch.bfloat16, "cpu", quant=quant)  # type: ignore[arg-type]
+    ctx = _context(cfg, [(20, 13), (0, 9), (37, 6)], quant=quant)
+    x = torch.randn(ctx.meta.tokens.num_rows, cfg.hidden_size).bfloat16()
+    seen: list[tuple[int, int] | None] = []
+
+    def via_flashmla(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("workspace_rows"))
+        return flashmla.sparse_attention_cached(*args, **kw)
+
+    for i in ids:
+        want = layers[i].forward(x, ctx)  # CPU: the ops twin
+        with monkeypatch.context() as m:
+            m.setattr(layer_module, "sparse_attention_cached", via_flashmla)
+            got = layers[i].forward(x, ctx)
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), i
+    assert len(seen) == len(ids) and all(s is not None for s in seen)
+    assert len(mod.calls) == len(ids)  # every layer went through (fake) FlashMLA
