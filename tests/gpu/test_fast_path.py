@@ -166,3 +166,24 @@ def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch) -
         assert torch.isfinite(a).all()
         rel = (a.float() - b.float()).norm() / b.float().norm()
         assert rel < 5e-2, rel.item()  # qat: fp8 activation steps amplify ~1e-3 differences
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_kernel_matches_the_op(inverse: bool) -> None:
+    """The routed in-place RoPE of the q tail / the output's inverse at Flash dims, long-context
+    positions: within one bf16 ulp of the op (cos/sin of the fp64-reduced angle), the head of
+    each row untouched."""
+    from dsv4cp.config import DeepseekV41Config
+    from dsv4cp.kernels.norm_rope import rope_tail_
+
+    cfg = DeepseekV41Config.flash()
+    theta, yarn = cfg.compress_rope(4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4096, 64, 512, device="cuda", generator=g).bfloat16()
+    pos = torch.randint(0, 1 << 20, (4096,), device="cuda", generator=g)
+    want = ops.rope_tail_(x.clone(), pos, 64, theta, yarn, inverse)
+    got = rope_tail_(x.clone(), pos, 64, theta, yarn, inverse)
+    assert torch.equal(got[..., :448], x[..., :448])
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= 2**-7 * want.float().abs().clamp_min(1.0)).all(), diff.max().item()
+    assert (diff > 0).float().mean().item() < 0.01  # rare 1-ulp differences only

@@ -35,6 +35,7 @@ CASES = (
     "topk_cached_qat_candidates",
     "topk_cached_qat_consumer",
     "qat_rounding_decides_ties",
+    "rope_tail_in_place",
 )
 
 
@@ -211,6 +212,34 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 q, w, k, nv, 8, quant=quant, block_ids=blocks, block_size=4, consumer="gather"
             )[0]  # fmt: skip
             equal(got, ref, f"{quant} ties, gather")
+
+    def rope_tail_in_place():
+        from dsv4cp.kernels.norm_rope import rope_tail_
+        from dsv4cp.rope_scaling import YarnScaling
+
+        yarn = YarnScaling(factor=16.0, original_max_position=4096, beta_fast=32, beta_slow=1)
+        pos = torch.tensor([0, 5, 40000, 7, 1_000_000, 3])
+        for shape, dtype, inverse, y in (
+            ((6, 4, 96), torch.bfloat16, False, None),
+            ((6, 4, 96), torch.bfloat16, True, yarn),
+            ((6, 64), torch.float32, True, yarn),
+        ):
+            x = torch.randn(*shape, generator=g).to(dtype)
+            want = ops.rope_tail_(x.clone(), pos, 32, 10000.0, y, inverse)
+            got = x.clone()
+            ptr = got.data_ptr()
+            out = rope_tail_(got, pos, 32, 10000.0, y, inverse)
+            assert out is got and got.data_ptr() == ptr, "in place"
+            equal(got[..., :-32], x[..., :-32], "the head of each row is untouched")
+            tol = 1e-5 if dtype == torch.float32 else 2**-7  # the interpreter's cos/sin
+            diff = (got.float() - want.float()).abs().max().item()
+            assert diff <= tol * max(1.0, want.float().abs().max().item()), (shape, diff)
+        # a view whose rows are not contiguous goes through a copy, still in place
+        base = torch.randn(4, 6, 64, generator=g)
+        view = base.transpose(0, 1)  # [6, 4, 64]
+        want = ops.rope_tail_(view.clone(), pos, 32, 10000.0)
+        rope_tail_(view, pos, 32, 10000.0)
+        assert (view - want).abs().max().item() <= 1e-5
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

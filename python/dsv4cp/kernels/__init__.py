@@ -5,7 +5,7 @@ to `dsv4cp.ops`. Modules: `indexer_logits` (mqa_logits), `topk` (topk_indices), 
 (mqa_topk, mqa_topk_candidates, mqa_topk_among_blocks: the logits fused with their selections),
 `attention` (the Triton sparse_attention), `flashmla` (sparse_attention: FlashMLA's sparse prefill
 where installed and the shape fits, else `attention`), `norm_rope` (the shared fused norm/RoPE
-row kernel: swa_key, store_swa_k), `compressor` (pair_pool, compressed_latent, compressed_key,
+row kernel: swa_key, store_swa_k, rope_index_queries, rope_tail_), `compressor` (pair_pool, compressed_latent, compressed_key,
 index_key, the fused compress_store); `_triton` holds what they share. `launch_*` functions take
 tuning knobs (benchmarks, tests) on top of the twin's signature.
 """
