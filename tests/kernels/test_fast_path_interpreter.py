@@ -36,6 +36,7 @@ CASES = (
     "topk_cached_qat_consumer",
     "qat_rounding_decides_ties",
     "rope_tail_in_place",
+    "fused_equals_the_cached_logits_kernel",
 )
 
 
@@ -240,6 +241,21 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         want = ops.rope_tail_(view.clone(), pos, 32, 10000.0)
         rope_tail_(view, pos, 32, 10000.0)
         assert (view - want).abs().max().item() <= 1e-5
+
+    def fused_equals_the_cached_logits_kernel():
+        # the unfused GPU path the layer had: the cached-logits kernel, then the selection kernel
+        from dsv4cp.kernels.indexer_logits_cached import mqa_logits_cached
+        from dsv4cp.kernels.topk import topk_indices
+
+        for qat in (True, False):
+            q, w, cache, rows, nv, ks, fmt = index_inputs(20, 4, 64, 150, qat, 21)
+            quant = "qat" if qat else "none"
+            logits = mqa_logits_cached(q, w, cache, rows, nv, width=150, k_format=fmt, quant=quant)
+            want = topk_indices(logits, nv, 8)
+            got = kern.mqa_topk_cached(
+                q, w, cache, rows, nv, 8, width=150, k_format=fmt, quant=quant
+            )
+            equal(got[0], want, f"fused vs cached kernel, {quant}")
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 
