@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 import dsv4cp.layers.attention as attention_module
-from dsv4cp import ops
+from dsv4cp import routing
 from dsv4cp.config import DeepseekV41Config
 from tests.model import dsv41_fixture as fx
 from tests.model.attention_stack import AttentionStack, load_attention, run_teacher_forced
@@ -84,7 +84,7 @@ def teacher_forced(quant: str, reference_topk: bool = False, device: str = "cpu"
         # the layer's index node is one op: record its scores, keep its candidate blocks, and
         # take the reference's top-k where asked
         logits.append(
-            ops.mqa_logits_cached(
+            routing.mqa_logits_cached(  # the kernel on CUDA, as the layer's scores were
                 q, w, k_cache, k_rows, n_vis, k_start=kw["k_start"], width=kw["width"],
                 k_format=kw["k_format"], quant=kw["quant"],
             ).cpu()
