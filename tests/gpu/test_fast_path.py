@@ -187,3 +187,36 @@ def test_rope_tail_kernel_matches_the_op(inverse: bool) -> None:
     diff = (got.float() - want.float()).abs()
     assert (diff <= 2**-7 * want.float().abs().clamp_min(1.0)).all(), diff.max().item()
     assert (diff > 0).float().mean().item() < 0.01  # rare 1-ulp differences only
+
+
+def test_flashmla_workspace_path_replays_in_a_cuda_graph() -> None:
+    """No host sync in the workspace build: the call captures, and a replay over new cache
+    contents equals the eager call on them."""
+    _needs_flashmla()
+    q, swa, win, comp, top, sink = _attention_inputs(seed=7)
+    args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, "qat")
+    flashmla.sparse_attention_cached(*args)  # warm-up (lazy state, allocator)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashmla.sparse_attention_cached(*args)
+    fresh = encode_rows(torch.randn(swa.shape[0], 512, device="cuda"), FP8, dense_dtype=q.dtype)
+    swa.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, flashmla.sparse_attention_cached(*args))
+
+
+def test_fused_cached_topk_replays_in_a_cuda_graph() -> None:
+    q, w, cache, rows, nv, fmt = _index_inputs(256, 3000, 9, True)
+    kw = dict(width=3000, k_format=fmt, quant="qat", block_size=8, max_blocks=64)
+    fused.mqa_topk_cached(q, w, cache, rows, nv, 512, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        top, blocks = fused.mqa_topk_cached(q, w, cache, rows, nv, 512, **kw)
+    cache.copy_(encode_rows(torch.randn(3000, 128, device="cuda"), IDX, dense_dtype=q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_blocks = fused.mqa_topk_cached(q, w, cache, rows, nv, 512, **kw)
+    assert torch.equal(top, want) and blocks is not None and torch.equal(blocks, want_blocks)
