@@ -11,12 +11,13 @@ dtype instead of prefilling the prefix). Roles: the Flash config's layers 0 (SWA
 index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (ratio-1 reuse),
 24 (ratio-1 candidate consumer), run in that order so each reads what the earlier ones left.
 
-- dsv4cp: `DeepseekV41Attention.forward` (prepare → sparse attention → output), best of the
-  serial and multistream executors, each a CUDA-graph replay (eager where capture fails). Its
-  ops come through `dsv4cp.routing`: Triton kernels, FlashMLA's sparse prefill where installed
-  (`kernels/flashmla.py`). With `--fused on|auto` the index layers use the fused logits+top-k
-  kernels (`kernels/indexer_topk.py`) through `fused_logits_topk` below: the call-site change
-  the layer is to receive (a no-op once the layer calls them itself).
+- dsv4cp: `DeepseekV41Attention.forward` (prepare → sparse attention → output) in its best
+  path: `--quant qat` (default; the released numerics, quantized caches: fp8 SWA rows, fp4
+  compressed and index rows), best of the serial and multistream executors, each a CUDA-graph
+  replay (eager where capture fails). Its ops come through `dsv4cp.routing`: sparse attention is
+  FlashMLA's sparse prefill over the chunk-bounded bf16 workspace where `flash_mla` imports
+  (`kernels/flashmla.py`; else the Triton cached kernel), the index node the fused logits +
+  running top-k over the decoded index-K workspace (`kernels/indexer_topk.mqa_topk_cached`).
 - peer: the same layer object with its indexer node replaced by SGLang's torch indexer (bf16
   einsum scores, torch.topk; torch candidate publish / consume) and its sparse attention by
   FlashMLA (`flash_mla_sparse_fwd`, legacy SM90 kernels), eager as SGLang runs it, plus the
@@ -27,8 +28,10 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
 - floor: the layer's GEMMs timed in this run (one captured chain) plus its attention FLOPs —
   sparse attention 2·H·(512 + 512) per valid index, indexer 2·H_I·D_I per scored key (a consumer:
   at most its candidate positions) — at the bf16 GEMM rate measured here (8192³).
-- components per layer: the indexer step (dsv4cp unfused chunks, fused kernel, peer), sparse
-  attention on the layer's own inputs (Triton kernel, FlashMLA).
+- components per layer: the indexer step (the layer's fused node, the unfused chunks it
+  replaced: `mqa_logits_cached` + selection, peer), sparse attention on the layer's own inputs
+  (the layer's routed call = FlashMLA over its workspace incl. building it; the Triton cached
+  kernel on the caches; the dense Triton kernel and FlashMLA on pre-decoded dense rows).
 - CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
   tile the local shard; compute only) against (CP 1 time) / N.
 
@@ -65,6 +68,7 @@ from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
 from dsv4cp.layers import attention as layer_module
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.model import init_random_
+from dsv4cp.ops.quant import QuantMode
 from dsv4cp.schedule import PrepareState, lanes_of
 
 CASES: dict[str, tuple[int, int]] = {  # name: (cached prefix, new tokens)
@@ -79,6 +83,7 @@ CP_CASE, CP_SIZES = "chunk16k@112k", (4, 8)
 SMOKE_CASES = {"cold48": (0, 48), "chunk32@80": (80, 32)}
 SMOKE_LAYERS = (0, 1, 2, 3, 4, 5)  # the tiny config's roles, in the same order as LAYERS
 SMOKE_CP_CASE = "chunk32@80"
+LOGITS_BUDGET_BYTES = 256 << 20  # the unfused node's fp32 logits per row chunk (as it was)
 FUSED_SWEEP = ((64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 3))
 
 
@@ -94,9 +99,13 @@ class Budget:
 
 
 def build_layers(
-    cfg: DeepseekV41Config, ids: tuple[int, ...], dtype: torch.dtype, device: str
+    cfg: DeepseekV41Config,
+    ids: tuple[int, ...],
+    dtype: torch.dtype,
+    device: str,
+    quant: QuantMode = "none",
 ) -> dict[int, DeepseekV41Attention]:
-    layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device=device) for i in ids}
+    layers = {i: DeepseekV41Attention(cfg, i, dtype=dtype, device=device, quant=quant) for i in ids}
     weights = {
         f"layers.{i}.attn.{n}": t
         for i, a in layers.items()
@@ -107,11 +116,23 @@ def build_layers(
 
 
 def fill_random_(cache: KVCache, seed: int) -> None:
-    """Every cache tensor gets random values of its storage dtype: floats N(0, 1); integer
-    storage (quantized codes) random bytes without fp8 NaN codes, scale bytes near 2^0."""
+    """Every cache tensor gets random values of its storage dtype: floats N(0, 1); quantized key
+    rows (uint8 codes + scales) the encoding of N(0, 1) keys, in slices of rows."""
     g = torch.Generator(device=cache.device).manual_seed(seed)
+    pools = {"swa": cache.swa, "compressed": cache.compressed, "index": cache.index}
+    encoded: set[int] = set()
+    for kind, by_layer in pools.items():
+        if cache.formats.of(kind) == "dense":  # type: ignore[arg-type]
+            continue
+        dim = cache.dims()[kind]  # type: ignore[index]
+        for t in by_layer.values():
+            for a in range(0, t.shape[0], 1 << 16):
+                b = min(t.shape[0], a + (1 << 16))
+                keys = torch.randn(b - a, dim, generator=g, device=t.device)
+                t[a:b] = cache.encode(kind, keys)  # type: ignore[arg-type]
+            encoded.add(id(t))
     for name, t in sorted(cache.state_dict_view().items()):
-        if name == "swa_page_table":  # addressing, not key storage
+        if name == "swa_page_table" or id(t) in encoded:  # addressing, or done above
             continue
         if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
             t.normal_(generator=g)
@@ -126,11 +147,22 @@ def fill_random_(cache: KVCache, seed: int) -> None:
 
 
 def make_context(
-    cfg: DeepseekV41Config, prefix: int, tokens: int, device: str, dtype: torch.dtype
+    cfg: DeepseekV41Config,
+    prefix: int,
+    tokens: int,
+    device: str,
+    dtype: torch.dtype,
+    quant: QuantMode = "none",
 ) -> ForwardContext:
     total = prefix + tokens
     cache = KVCache(
-        cfg, total + 64, max_requests=1, max_context=total + 16, device=device, dtype=dtype
+        cfg,
+        total + 64,
+        quant=quant,
+        max_requests=1,
+        max_context=total + 16,
+        device=device,
+        dtype=dtype,
     )
     cache.req_to_token[0, :total] = torch.arange(1, total + 1, device=device)
     fill_random_(cache, seed=total)
@@ -169,27 +201,37 @@ def dense_attention_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return q, torch.cat(parts), torch.cat(idx, 1).to(torch.int32), sink, scale
 
 
-def fused_logits_topk(layer: DeepseekV41Attention, st: PrepareState) -> None:
-    """The index node with the fused logits + selection ops: the layer's call-site change
-    (here over a dense index-K workspace gathered from the cache first)."""
+def unfused_logits_topk(layer: DeepseekV41Attention, st: PrepareState) -> None:
+    """The index node as it was before the fused kernel reached the layer: fp32 logits
+    (`mqa_logits_cached`, row chunks of LOGITS_BUDGET_BYTES) to memory, then the selection ops."""
     ctx = st.ctx
     cfg, r = layer.config, layer.role.ratio
-    args = (st["idx_q"], st["idx_w"], index_workspace(layer, ctx), ctx.local.n_visible(r))
-    kw: dict[str, Any] = dict(
-        k_start=ctx.workspace_start(r), width=max(ctx.meta.workspaces[r].max_entries, 1)
-    )
-    bs = cfg.candidate_block_size
-    if layer.role.candidate_consumer:
-        blocks = ctx.cross.candidates[r]
-        topk = routing.mqa_topk_among_blocks(*args, blocks, bs, cfg.index_topk, **kw)
-    elif layer.role.candidate_source:
-        topk, ctx.cross.candidates[r] = routing.mqa_topk_candidates(
-            *args, cfg.index_topk, bs, cfg.candidate_topk_blocks, **kw
-        )
-    else:
-        topk = routing.mqa_topk(*args, cfg.index_topk, **kw)
-    ctx.cross.topk[r] = topk
-    st["topk"] = topk
+    n_vis = ctx.local.n_visible(r)
+    width = max(ctx.meta.workspaces[r].max_entries, 1)
+    rows = ctx.local.num_rows
+    chunk = max(1, min(rows, LOGITS_BUDGET_BYTES // (4 * width)))
+    topk_parts, cand_parts = [], []
+    for a in range(0, rows, chunk):
+        b = min(rows, a + chunk)
+        logits = layer.index_logits(st["idx_q"][a:b], st["idx_w"][a:b], ctx, slice(a, b))
+        if layer.role.candidate_consumer:
+            blocks = ctx.cross.candidates[r][a:b]
+            topk_parts.append(
+                routing.topk_among_blocks(
+                    logits, n_vis[a:b], blocks, cfg.candidate_block_size, cfg.index_topk
+                )
+            )
+        else:
+            topk_parts.append(routing.topk_indices(logits, n_vis[a:b], cfg.index_topk))
+        if layer.role.candidate_source:
+            cand_parts.append(
+                routing.candidate_blocks(
+                    logits, n_vis[a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks
+                )
+            )
+    ctx.cross.topk[r] = st["topk"] = torch.cat(topk_parts)
+    if cand_parts:
+        ctx.cross.candidates[r] = torch.cat(cand_parts)
 
 
 @contextmanager
@@ -232,8 +274,13 @@ def gemm_chain(layer: DeepseekV41Attention, x: torch.Tensor) -> tuple[Callable[[
     o = torch.randn(t, h, d, device=dev, dtype=dt)
     entries = t // role.ratio if role.owns_compressor else 0
     latent = torch.randn(entries, d, device=dev, dtype=dt)
+
     # F.linear(a [m, k], W [n, k]) is 2·m·W.numel() FLOPs; the grouped wo_a einsum likewise.
-    wqkv_a, wq_b, wo_b = layer.wqkv_a.weight, layer.wq_b.weight, layer.wo_b.weight  # dense here
+    def dense(w: torch.Tensor) -> torch.Tensor:  # fp8 storage timed as bf16 GEMMs (the floor)
+        return w if w.dtype == dt else w.to(dt)
+
+    wqkv_a, wq_b, wo_b = (dense(m.weight) for m in (layer.wqkv_a, layer.wq_b, layer.wo_b))
+    idx_wq_b = dense(layer.idx_wq_b.weight) if role.index_source else None
     flops = 2.0 * t * (wqkv_a.numel() + wq_b.numel())
     flops += 2.0 * t * (layer.wo_a.numel() + wo_b.numel())
     if role.owns_compressor:
@@ -251,7 +298,7 @@ def gemm_chain(layer: DeepseekV41Attention, x: torch.Tensor) -> tuple[Callable[[
             F.linear(latent, layer.idx_wk)
         F.linear(q_lora, wq_b)
         if role.index_source:
-            F.linear(q_lora, layer.idx_wq_b.weight)
+            F.linear(q_lora, idx_wq_b)
             F.linear(x, layer.idx_weights_proj)
         ops.grouped_output(o, layer.wo_a, wo_b, cfg.o_groups)
 
@@ -313,16 +360,16 @@ class Run:
         self.timer = Timer(self.device, args.iters, args.target_s)
         self.sweep = args.sweep and not args.smoke
         self.budget = Budget(args.budget_s)
-        self.layers = build_layers(self.cfg, self.layer_ids, self.dtype, self.device)
+        self.quant: QuantMode = args.quant
+        self.layers = build_layers(
+            self.cfg, self.layer_ids, self.dtype, self.device, quant=self.quant
+        )
         self.executors: dict[str, Executor] = {"serial": SERIAL}
         if self.device == "cuda":
             pool = StreamPool(
                 lanes_of([a.schedule() for a in self.layers.values()]), torch.device("cuda")
             )
             self.executors["multistream"] = MultistreamExecutor(pool)
-        self.fused = args.fused == "on" or (
-            args.fused == "auto" and not hasattr(layer_module, "mqa_topk")
-        )
         self.flashmla = _has_flashmla()
         self.peer = args.peer and (self.flashmla or self.smoke)
         if args.peer and not self.peer:
@@ -347,9 +394,9 @@ class Run:
 
         routed = layer_module.sparse_attention_cached
 
-        def record_attention(*a: Any) -> torch.Tensor:
-            record["attn"] = a
-            return routed(*a)
+        def record_attention(*a: Any, **kw: Any) -> torch.Tensor:
+            record["attn"], record["attn_kw"] = a, kw
+            return routed(*a, **kw)
 
         with patched(
             layer,
@@ -357,14 +404,13 @@ class Run:
             attention=record_attention,
         ):
             layer.forward(x, ctx)  # also leaves this layer's records for the later layers
-        fused = self.fused and role.index_source
-        with patched(layer, logits_topk=fused_logits_topk if fused else None):
-            for name, ex in self.executors.items():
-                ms, how = self.timer(lambda ex=ex: layer.forward(x, ctx, ex))
-                if ms < row.get("dsv4cp_ms", float("inf")):
-                    row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
-            layer.forward(x, ctx)  # later layers read records made eagerly, not in a graph
-        row["dsv4cp_indexer"] = "fused" if fused else ("layer" if role.index_source else "-")
+        for name, ex in self.executors.items():
+            ms, how = self.timer(lambda ex=ex: layer.forward(x, ctx, ex))
+            if ms < row.get("dsv4cp_ms", float("inf")):
+                row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
+        layer.forward(x, ctx)  # later layers read records made eagerly, not in a graph
+        row["dsv4cp_indexer"] = "fused (layer)" if role.index_source else "-"
+        row["dsv4cp_attention"] = _attention_backend(record["attn"][0])
         self.components(row, ctx, layer, record)
         if self.peer:
             self.peer_time(row, ctx, x, layer, record)
@@ -387,6 +433,12 @@ class Run:
         valid = int((idx >= 0).sum().item())
         row["attn_keys_per_row"] = valid / max(1, idx.shape[0])
         row["attn_flops"] = 2.0 * layer.n_heads * (2 * layer.head_dim) * valid
+        cached, cached_kw = rec["attn"], rec["attn_kw"]
+        row["attn_layer_ms"] = self.timer(
+            lambda: routing.sparse_attention_cached(*cached, **cached_kw)
+        )[0]
+        if not self.smoke:
+            row["attn_triton_cached_ms"] = self.timer(lambda: _triton_cached(*cached))[0]
         attn_triton = routing.sparse_attention if self.smoke else _triton_attention
         row["attn_triton_ms"] = self.timer(lambda: attn_triton(q, kv, idx, sink, scale))[0]
         if self.flashmla:
@@ -403,13 +455,13 @@ class Run:
         n_eff = scored if role.candidate_consumer else n_vis
         row["idx_flops"] = 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(n_eff.sum())
         saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
-        unfused = lambda: DeepseekV41Attention._logits_topk(layer, st)  # noqa: E731
-        unfused()
+        fused = lambda: DeepseekV41Attention._logits_topk(layer, st)  # noqa: E731
+        unfused_logits_topk(layer, st)
         want = ctx.cross.topk[r]
-        fused_logits_topk(layer, st)
+        fused()
         row["fused_rows_identical"] = float((ctx.cross.topk[r] == want).all(1).float().mean())
-        row["idx_layer_ms"] = self.timer(unfused)[0]
-        row["idx_fused_ms"] = self.timer(lambda: fused_logits_topk(layer, st))[0]
+        row["idx_unfused_ms"] = self.timer(lambda: unfused_logits_topk(layer, st))[0]
+        row["idx_layer_ms"] = row["idx_fused_ms"] = self.timer(fused)[0]
         if self.sweep:
             row["idx_fused_sweep"] = self.sweep_fused(ctx, layer, st)
         if self.peer:
@@ -431,6 +483,7 @@ class Run:
             k_start=ctx.workspace_start(r),
             width=max(ctx.meta.workspaces[r].max_entries, 1),
             block_size=cfg.candidate_block_size,
+            quant=layer.quant,
         )
         if role.candidate_consumer:
             kw["block_ids"] = ctx.cross.candidates[r]
@@ -464,7 +517,7 @@ class Run:
         # the peer attends over its bf16 workspace, built (and timed) apart below
         dense = dense_attention_args(rec["attn"])
 
-        def attention(*_: Any) -> torch.Tensor:
+        def attention(*_: Any, **__: Any) -> torch.Tensor:
             return dense_attention(*dense)
 
         index = sglang_peer.peer_logits_topk if layer.role.index_source else None
@@ -485,7 +538,7 @@ class Run:
     def case_rows(self, case: str, rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]):
         prefix, tokens = self.cases[case]
         print(f"case {case}: prefix {prefix}, {tokens} new tokens", flush=True)
-        ctx = make_context(self.cfg, prefix, tokens, self.device, self.dtype)
+        ctx = make_context(self.cfg, prefix, tokens, self.device, self.dtype, self.quant)
         x = torch.randn(tokens, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
         cp1: dict[int, float] = {}
         for i in self.layer_ids:
@@ -533,15 +586,13 @@ class Run:
                 row["error"] = "time budget" if self.budget.left() <= 0 else "no CP 1 time"
                 out.append(row)
                 continue
-            fused = self.fused and layer.role.index_source
             try:
-                with patched(layer, logits_topk=fused_logits_topk if fused else None):
-                    layer.forward(x, ctx)
-                    best = min(
-                        self.timer(lambda ex=ex, lay=layer: lay.forward(x, ctx, ex))[0]
-                        for ex in self.executors.values()
-                    )
-                    layer.forward(x, ctx)  # eager records for the later layers
+                layer.forward(x, ctx)
+                best = min(
+                    self.timer(lambda ex=ex, lay=layer: lay.forward(x, ctx, ex))[0]
+                    for ex in self.executors.values()
+                )
+                layer.forward(x, ctx)  # eager records for the later layers
                 row.update(rank_ms=best, cp1_ms=cp1[i], ideal_ms=cp1[i] / n)
                 row["rank_over_ideal"] = best / row["ideal_ms"]
                 row["replicated"] = _replicated(layer)
@@ -551,6 +602,20 @@ class Run:
                 row["error"] = _err(exc)
                 _release(self.device)
             out.append(row)
+
+
+def _triton_cached(*a: Any) -> torch.Tensor:
+    from dsv4cp.kernels.attention import sparse_attention_cached
+
+    return sparse_attention_cached(*a)
+
+
+def _attention_backend(q: torch.Tensor) -> str:
+    if not q.is_cuda:
+        return "ops twin (CPU)"
+    from dsv4cp.kernels.flashmla import sparse_attention_cached_backend
+
+    return sparse_attention_cached_backend(q)
 
 
 def _triton_attention(*a: Any) -> torch.Tensor:
@@ -644,7 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="timed calls at most per measurement")
     ap.add_argument("--target-s", type=float, default=0.5, help="seconds per measurement, about")
     ap.add_argument("--budget-s", type=float, default=280.0, help="stop starting work after this")
-    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument(
+        "--quant", choices=("qat", "none"), default="qat", help="numerics and cache formats"
+    )
     ap.add_argument("--sweep", action="store_true", help="also time the fused kernel's configs")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--no-cp", dest="cp", action="store_false")
@@ -691,8 +758,9 @@ def report(
 ) -> None:
     cols = [
         "case", "layer", "role", "dsv4cp_ms", "peer_ms", "floor_ms", "speedup_vs_peer",
-        "dsv4cp_over_floor", "gemm_ms", "idx_layer_ms", "idx_fused_ms", "idx_peer_ms",
-        "attn_triton_ms", "attn_flashmla_ms", "triton_vs_flashmla", "dsv4cp_path", "error",
+        "dsv4cp_over_floor", "gemm_ms", "idx_layer_ms", "idx_unfused_ms", "idx_peer_ms",
+        "attn_layer_ms", "attn_triton_cached_ms", "attn_triton_ms", "attn_flashmla_ms",
+        "triton_vs_flashmla", "dsv4cp_path", "error",
     ]  # fmt: skip
     dims = "V4.1-Flash dims (d 5120, 64 heads x 512, index 32 x 128, top-k 512, window 128)"
     gpu = device_info().get("gpu_name", "cpu")
@@ -726,7 +794,8 @@ def report(
         "gpu": gpu,
         "ceiling_tflops": None if run is None else run.ceiling,
         "flashmla": None if run is None else run.flashmla,
-        "fused_indexer": None if run is None else run.fused,
+        "quant": None if run is None else run.quant,
+        "fused_indexer": "layer",
         "rows": rows,
         "cp_rows": cp_rows,
         "targets": goals,

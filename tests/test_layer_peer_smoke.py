@@ -24,7 +24,8 @@ def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
     assert all(r["fused_rows_identical"] == 1.0 for r in index_rows)  # the ops twins on the CPU
     assert {r["cp"] for r in doc["cp_rows"]} == {2}
     assert all("rank_over_ideal" in r for r in doc["cp_rows"])
-    assert doc["targets"] and doc["config"] == "tiny"
+    assert doc["targets"] and doc["config"] == "tiny" and doc["quant"] == "qat"
+    assert all(r["attn_layer_ms"] > 0 for r in rows)
 
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:

@@ -30,7 +30,6 @@ from dsv4cp.ops import (
     indexer_weights,
     linear_fp32,
     rms_norm,
-    rope_tail_,
     sparse_attention_qat,
     topk_among_blocks,
 )
@@ -43,7 +42,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
     # FlashMLA's sparse prefill where installed and the shape fits, else kernels.attention.
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
-    "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.attention"),
+    # FlashMLA over a chunk-bounded bf16 workspace where it fits, else the Triton cached kernel.
+    "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),
     "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
     "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
     "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
@@ -51,6 +51,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
     "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
     "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.norm_rope"),
+    # the q tail and the attention output's inverse: one pass over the tail, in place
+    "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.norm_rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
 }
 
@@ -60,6 +62,8 @@ ROUTES.update(
         "mqa_topk": (ops.mqa_topk, "dsv4cp.kernels.indexer_topk"),
         "mqa_topk_candidates": (ops.mqa_topk_candidates, "dsv4cp.kernels.indexer_topk"),
         "mqa_topk_among_blocks": (ops.mqa_topk_among_blocks, "dsv4cp.kernels.indexer_topk"),
+        # the layer's index node: the keys read from the index cache, the role's selection
+        "mqa_topk_cached": (ops.mqa_topk_cached, "dsv4cp.kernels.indexer_topk"),
     }
 )
 
@@ -106,10 +110,12 @@ compressed_latent = _route("compressed_latent")
 compressed_key = _route("compressed_key")
 index_key = _route("index_key")
 rope_index_queries = _route("rope_index_queries")
+rope_tail_ = _route("rope_tail_")
 fp8_linear = _route("fp8_linear")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
+mqa_topk_cached = _route("mqa_topk_cached")
 
 __all__ = [
     "ENV_FLAG",
@@ -130,6 +136,7 @@ __all__ = [
     "mqa_logits_cached",
     "mqa_topk",
     "mqa_topk_among_blocks",
+    "mqa_topk_cached",
     "mqa_topk_candidates",
     "pair_pool",
     "rms_norm",

@@ -55,27 +55,31 @@ SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i3
 SCAN_TYPES += ["i32"] * 12
 
 
-@pytest.mark.parametrize(("member", "block_max"), [(False, False), (False, True), (True, False)])
-def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool) -> None:
+@pytest.mark.parametrize(
+    ("member", "block_max", "qat"),
+    [(False, False, False), (False, True, False), (True, False, False), (False, True, True)],
+)
+def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool) -> None:
     from dsv4cp.kernels import indexer_topk as m
 
     block_t, block_n, warps, stages = m.DEFAULT_CONFIG
     const = dict(
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
         BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=False, DOT_PREC="tf32",
+        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
     )  # fmt: skip
     ptx = _compile(m._scan_kernel, SCAN_TYPES, const, warps, stages)
     assert "wgmma.mma_async" in ptx
 
 
-def test_gather_kernel_compiles_for_sm90() -> None:
+@pytest.mark.parametrize("qat", [False, True])
+def test_gather_kernel_compiles_for_sm90(qat: bool) -> None:
     from dsv4cp.kernels import indexer_topk as m
 
     types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
     const = dict(
         K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
-        UPCAST=False, DOT_PREC="tf32",
+        UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
     )  # fmt: skip
     ptx = _compile(m._gather_kernel, types, const, 4, 2)
     assert "mma" in ptx  # all 32 heads of a row in one tensor-core product
@@ -89,3 +93,13 @@ def test_merge_and_member_kernels_compile_for_sm90() -> None:
         m._merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
     )
     _compile(m._member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3])
+def test_workspace_decode_compiles_for_sm90(fmt: int) -> None:
+    """The bounded workspace's fill (FlashMLA's bf16 rows, the fused indexer's keys)."""
+    from dsv4cp.kernels import kv_decode as m
+
+    d = 128 if fmt == 3 else 512
+    const = dict(D=d, D_PAD=d, BLOCK_R=16, FMT=fmt, RNE=False)
+    _compile(m._decode_gather_kernel, ["*u8", "*i32", "*bf16", "i32", "i32", "i32"], const, 4, 1)

@@ -15,6 +15,7 @@ from dsv4cp.kernels.topk import check_topk
 
 # Every op the attention layer calls, routed or not: the door's promise.
 LAYER_OPS = (
+    "mqa_topk_cached",
     "mqa_logits_cached",
     "sparse_attention_cached",
     "mqa_logits",

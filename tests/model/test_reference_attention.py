@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 import dsv4cp.layers.attention as attention_module
+from dsv4cp import routing
 from dsv4cp.config import DeepseekV41Config
 from tests.model import dsv41_fixture as fx
 from tests.model.attention_stack import AttentionStack, load_attention, run_teacher_forced
@@ -76,23 +77,27 @@ def teacher_forced(quant: str, reference_topk: bool = False, device: str = "cpu"
     logits: list[Tensor] = []
     queue = [ref_topk(i).to(device) for i in INDEX_LAYERS]
     mp = pytest.MonkeyPatch()
-    real_logits = attention_module.mqa_logits_cached
+    real_select = attention_module.mqa_topk_cached
 
-    def recording_logits(*args: Any, **kwargs: Any) -> Tensor:
-        out = real_logits(*args, **kwargs)
-        logits.append(out.cpu())
-        return out
-
-    def reference_selection(values: Tensor, *args: Any) -> Tensor:
-        picked = queue.pop(0)
-        assert picked.shape[0] == values.shape[0], "one row chunk per index layer"
-        return picked.to(torch.int32)
+    def recording_select(q: Tensor, w: Tensor, k_cache: Tensor, k_rows: Tensor, n_vis: Tensor,
+                         k_top: int, **kw: Any) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        # the layer's index node is one op: record its scores, keep its candidate blocks, and
+        # take the reference's top-k where asked
+        logits.append(
+            routing.mqa_logits_cached(  # the kernel on CUDA, as the layer's scores were
+                q, w, k_cache, k_rows, n_vis, k_start=kw["k_start"], width=kw["width"],
+                k_format=kw["k_format"], quant=kw["quant"],
+            ).cpu()
+        )  # fmt: skip
+        top, blocks = real_select(q, w, k_cache, k_rows, n_vis, k_top, **kw)
+        if reference_topk:
+            picked = queue.pop(0)
+            assert picked.shape[0] == top.shape[0], "one call per index layer"
+            top = picked.to(torch.int32)
+        return top, blocks
 
     with mp.context() as m:
-        m.setattr(attention_module, "mqa_logits_cached", recording_logits)
-        if reference_topk:
-            m.setattr(attention_module, "topk_indices", reference_selection)
-            m.setattr(attention_module, "topk_among_blocks", reference_selection)
+        m.setattr(attention_module, "mqa_topk_cached", recording_select)
         stack = AttentionStack(cfg, layers, device=device)
         ids = fx.reference()["input_ids"][0].tolist()
         out = stack.step({"a": ids}, run_teacher_forced(layers, inputs))

@@ -293,8 +293,11 @@ def sparse_attention_cached(
     swa_format: str = "dense",
     comp_format: str = "dense",
     quant: QuantMode = "none",
+    *,
+    workspace_rows: tuple[int, int] | None = None,
 ) -> Tensor:
-    """Triton twin of ops.attention.sparse_attention_cached: [T, H, D] in q.dtype."""
+    """Triton twin of ops.attention.sparse_attention_cached: [T, H, D] in q.dtype (reads the
+    caches in place: `workspace_rows` is unused)."""
     check_sparse_attention_cached(
         q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
     )

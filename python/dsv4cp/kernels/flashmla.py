@@ -10,9 +10,14 @@ shorter rows are padded with -1 here), -1 or ≥ N = skip; attn_sink fp32 [H]. O
 the legacy kernels (`use_legacy=True`); on SM100 the current ones. The math is the op's: the sink
 adds e^{sink} to the softmax denominator with no value vector.
 
-`kv` is the dense bf16 rows attention reads. With quantized caches it must be a dequantized
-workspace bounded by the chunk (the caller builds it); this module only dispatches.
-`DSV4CP_FLASHMLA=off` keeps the Triton kernel (benchmarks compare the two on the same inputs).
+`sparse_attention` takes the dense bf16 rows attention reads. `sparse_attention_cached` (the
+layer's call, routed here) reads the caches in their storage formats: per chunk of query rows it
+decodes the rows the chunk's indices name, each once, into a bf16 workspace of static size (no
+host sync: rows marked, numbered by a prefix sum, indices remapped; `build_workspace`) and calls
+FlashMLA over it; where FlashMLA does not take the query, the Triton cached kernel reads the
+caches in place. The chunk is bounded by WORKSPACE_BUDGET_BYTES (docs/performance.md has the
+memory at 16K-token chunks up to 1M context). `DSV4CP_FLASHMLA=off` keeps the Triton kernels
+(benchmarks compare the two on the same inputs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp.kernels import attention as triton_attention
+from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels.kv_decode import decode_gather
+from dsv4cp.ops.kv_format import decode_rows
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 ENV_FLAG = "DSV4CP_FLASHMLA"
 HEADS = (64, 128)
@@ -62,8 +71,8 @@ def _version(mod: ModuleType) -> str:
     return str(getattr(mod, "__version__", "unknown version"))
 
 
-def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str | None:
-    """Why FlashMLA's sparse prefill cannot take these inputs, or None when it can."""
+def _query_misfit(q: Tensor) -> str | None:
+    """Why FlashMLA cannot take this query (or this process), or None."""
     if os.environ.get(ENV_FLAG, "auto").strip().lower() in ("off", "0", "false", "no"):
         return f"{ENV_FLAG}=off"
     mod = flash_mla_module()
@@ -74,10 +83,22 @@ def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str
         return f"needs SM90 or SM100, got {'no CUDA device' if cap is None else cap}"
     if cap[0] == 9 and not mod.has_legacy():
         return "its SM90 (legacy) kernels are not in this build"
+    if q.dim() != 3:
+        return f"q must be [T, H, D], got {tuple(q.shape)}"
     t, h, d = q.shape
     if h not in HEADS or d != HEAD_DIM:
         return f"it takes H in {HEADS} and D = {HEAD_DIM}, got H={h}, D={d}"
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+    if q.dtype != torch.bfloat16:
+        return f"it takes bf16 q, got {q.dtype}"
+    return None
+
+
+def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str | None:
+    """Why FlashMLA's sparse prefill cannot take these inputs, or None when it can."""
+    why = _query_misfit(q)
+    if why is not None:
+        return why
+    if kv.dtype != torch.bfloat16:
         return f"it takes bf16 q and kv, got {q.dtype}, {kv.dtype}"
     if kv.stride(1) != 1 or kv.stride(0) % 8:
         return f"kv rows must be contiguous and 16-byte aligned, got strides {kv.stride()}"
@@ -128,3 +149,144 @@ def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
         return_log2_lse=False,
     )
     return out
+
+
+# ----------------------------------------------------------------- over the quantized caches
+
+WORKSPACE_BUDGET_BYTES = 1 << 30  # bf16 workspace rows per FlashMLA call (the chunk's bound)
+WORKSPACE_ENV = "DSV4CP_FLASHMLA_WORKSPACE_MIB"  # overrides the budget (MiB)
+MIN_CHUNK_ROWS = 64  # fewer query rows per call than this: the bound is not worth splitting
+_CachedSource = tuple[Tensor, Tensor, str, int]  # cache, indices [T, K], format, row bound
+
+
+def sparse_attention_cached_backend(q: Tensor) -> str:
+    """The backend `sparse_attention_cached` uses for this query, with its reason when Triton."""
+    why = _query_misfit(q)
+    if why is None:
+        mod = flash_mla_module()
+        assert mod is not None
+        return f"FlashMLA sparse prefill over a bf16 workspace (sgl-flash-mla {_version(mod)})"
+    return f"Triton cached kernel ({why})"
+
+
+def sparse_attention_cached(
+    q: Tensor,
+    swa: Tensor,
+    swa_indices: Tensor,
+    comp: Tensor | None,
+    comp_indices: Tensor | None,
+    sink: Tensor,
+    scale: float,
+    swa_format: str = "dense",
+    comp_format: str = "dense",
+    quant: QuantMode = "none",
+    *,
+    workspace_rows: tuple[int, int] | None = None,
+) -> Tensor:
+    """Twin of ops.attention.sparse_attention_cached on CUDA: FlashMLA's sparse prefill over a
+    chunk-bounded bf16 workspace where FlashMLA takes the query, else the Triton cached kernel
+    (said once in the log, with the reason). `workspace_rows` = (SWA rows, compressed rows): upper
+    bounds on the distinct rows the indices name (the layer knows them from the batch)."""
+    triton_attention.check_sparse_attention_cached(
+        q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
+    )
+    backend = sparse_attention_cached_backend(q)
+    _say_once(f"sparse attention: {backend}")
+    if not backend.startswith("FlashMLA"):
+        return triton_attention.sparse_attention_cached(
+            q, swa, swa_indices, comp, comp_indices, sink, scale, swa_format, comp_format, quant
+        )
+    check_quant_mode(quant)  # FlashMLA's order is one for both modes (docs/performance.md)
+    sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
+                                workspace_rows)  # fmt: skip
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    d = q.shape[2]
+    for a, b in chunks(q.shape[0], sources, d * 2):
+        kv, idx = build_workspace(sources, slice(a, b), d, torch.bfloat16)
+        out[a:b] = _flashmla(q[a:b], kv, idx, sink, scale)
+    return out
+
+
+def workspace_sources(
+    swa: Tensor,
+    swa_indices: Tensor,
+    comp: Tensor | None,
+    comp_indices: Tensor | None,
+    swa_format: str,
+    comp_format: str,
+    workspace_rows: tuple[int, int] | None,
+) -> list[_CachedSource]:
+    """(cache, indices, format, row bound) per source; the bound is the caller's, else the
+    cache's rows (a source's distinct rows never exceed either, nor T·K)."""
+    hint = workspace_rows or (swa.shape[0], comp.shape[0] if comp is not None else 0)
+    out = [(swa, swa_indices, swa_format, min(int(hint[0]), swa.shape[0]))]
+    if comp is not None and comp_indices is not None:
+        out.append((comp, comp_indices, comp_format, min(int(hint[1]), comp.shape[0])))
+    return out
+
+
+def chunk_bound(sources: list[_CachedSource], rows: int) -> int:
+    """Workspace rows a chunk of `rows` queries may need: per source min(rows·K, its bound)."""
+    return sum(min(rows * idx.shape[1], bound) for _, idx, _, bound in sources)
+
+
+def chunks(t: int, sources: list[_CachedSource], row_bytes: int) -> list[tuple[int, int]]:
+    """Query row ranges whose workspace bound fits the budget (WORKSPACE_BUDGET_BYTES, or
+    $DSV4CP_FLASHMLA_WORKSPACE_MIB), halving the chunk down to MIN_CHUNK_ROWS."""
+    env = os.environ.get(WORKSPACE_ENV, "").strip()
+    budget = int(float(env) * (1 << 20)) if env else WORKSPACE_BUDGET_BYTES
+    step = max(t, 1)
+    while step > MIN_CHUNK_ROWS and chunk_bound(sources, step) * row_bytes > budget:
+        step = -(-step // 2)
+    return [(a, min(t, a + step)) for a in range(0, t, step)]
+
+
+def build_workspace(
+    sources: list[_CachedSource], rows: slice, d: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The rows the queries `rows` reference, each decoded once into a dense workspace, and their
+    indices remapped into it: (kv [B, d] in dtype, int32 indices [t, ΣK], −1 kept).
+
+    Per source, without a host sync (graph-capturable): mark the referenced cache rows, a prefix
+    sum numbers them 0…n−1 in row order, the workspace row i is decoded from the i-th marked row,
+    and an index becomes its row's number plus the source's offset. B is the static bound
+    `chunk_bound`; a count above it (a wrong bound) trips a device-side assert, never a silent
+    wrong row. Rows past the count are never named and stay unwritten.
+    """
+    bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
+    device = sources[0][1].device
+    kv = torch.empty((max(1, sum(bounds)), d), dtype=dtype, device=device)
+    parts, base = [], 0
+    for (cache, indices, fmt, _), bound in zip(sources, bounds):
+        idx = indices[rows]
+        n = cache.shape[0]
+        valid = (idx >= 0) & (idx < n)
+        if bound == 0:
+            parts.append(torch.full_like(idx, -1, dtype=torch.int32))
+            continue
+        mark = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        mark.index_fill_(0, torch.where(valid, idx.long(), n).flatten(), 1)
+        marked = mark[:n].bool()
+        number = torch.cumsum(mark[:n], 0, dtype=torch.int32) - 1  # row → workspace row
+        if device.type == "cuda":
+            torch._assert_async(number[-1] < bound, "sparse_attention_cached: workspace bound")
+        where = torch.where(marked & (number < bound), number.long(), bound)
+        src = torch.full((bound + 1,), -1, dtype=torch.int32, device=device)
+        src.scatter_(0, where, torch.arange(n, dtype=torch.int32, device=device))
+        _decode(cache, src[:bound], fmt, d, kv[base : base + bound])
+        remap = number[idx.long().clamp(0, n - 1)] + base
+        parts.append(torch.where(valid & (remap < base + bound), remap, -1).to(torch.int32))
+        base += bound
+    return kv, torch.cat(parts, dim=1)
+
+
+def _decode(cache: Tensor, src: Tensor, fmt: str, d: int, out: Tensor) -> None:
+    """out[i] = decoded cache[src[i]] for src[i] ≥ 0: the Triton decode on CUDA and in the
+    interpreter, `ops.kv_format.decode_rows` on CPU tensors otherwise."""
+    if cache.is_cuda or interpreting():
+        decode_gather(cache, src, fmt, d, out)
+        return
+    keep = src >= 0
+    rows = cache.index_select(0, src.long().clamp_min(0))
+    vals = decode_rows(rows, fmt, d).to(out.dtype)
+    out.copy_(torch.where(keep[:, None], vals, out))

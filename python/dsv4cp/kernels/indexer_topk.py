@@ -34,6 +34,17 @@ ascending order, which the tie rule needs.
 
 A row block whose rows have different k_start (a request boundary inside the block) is done in
 segments, one pass over the piece per distinct k_start, the other rows masked.
+
+quant="qat" (QAT constexpr): each head's term is the reference's bf16 steps, bf16(relu(bf16(s)) ·
+bf16(w)), added in fp32 in head order 0…H−1 (the gather kernel: a tree over the heads) and the
+sum rounded to bf16 once: the index scores of `ops.attention_quant.index_scores_qat`. The fp4 ×
+fp4 products are exact and the fp32 dot of D_I of them is exact unless the block scales differ by
+about 2^10, so the scores equal the twin's but where that sum rounds; on one GPU the selection is
+a deterministic function of each row (CP = N equals CP = 1 bit for bit).
+
+`mqa_topk_cached` (the layer's call) reads the keys from the index-key cache: the workspace
+entries' rows decoded once into a dense [N, D_I] workspace in q.dtype (bounded by the batch's
+entries: 256 B per entry in bf16), then the scan.
 """
 
 from __future__ import annotations
@@ -43,10 +54,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import interpreting, to_dtype
 from dsv4cp.kernels.indexer_logits import check_mqa_logits
+from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import _kth_key, _sortable, _store_prefix, _store_selection
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
+from dsv4cp.ops.kv_format import check_format
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 MAX_K = 2048
 MAX_MERGE = 16384  # pieces · K keys merged in registers per row
@@ -56,6 +70,27 @@ GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
 _INT_MIN = -2147483648
+
+
+@triton.jit
+def _term(s, w, QAT: tl.constexpr, RNE: tl.constexpr):
+    """One head's relu(s)·w in fp32, or the reference's bf16 steps under qat:
+    bf16(relu(bf16(s)) · bf16(w)) (`ops.attention_quant.index_scores_qat`)."""
+    if QAT:
+        sb = to_dtype(s, tl.bfloat16, RNE).to(tl.float32)
+        wb = to_dtype(w, tl.bfloat16, RNE).to(tl.float32)
+        return to_dtype(tl.maximum(sb, 0.0) * wb, tl.bfloat16, RNE).to(tl.float32)
+    else:
+        return tl.maximum(s, 0.0) * w
+
+
+@triton.jit
+def _logit(acc, QAT: tl.constexpr, RNE: tl.constexpr):
+    """The head sum as the index score: one bf16 rounding under qat."""
+    if QAT:
+        return to_dtype(acc, tl.bfloat16, RNE).to(tl.float32)
+    else:
+        return acc
 
 
 @triton.jit
@@ -121,7 +156,7 @@ def _scan_kernel(
     HAS_KSTART: tl.constexpr, MEMBER: tl.constexpr, BLOCK_MAX: tl.constexpr, BS: tl.constexpr,
     DIRECT: tl.constexpr, PREFIX: tl.constexpr,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     first_row = tl.program_id(0) * BLOCK_T
     piece = tl.program_id(1)
@@ -164,9 +199,10 @@ def _scan_kernel(
                 if UPCAST:
                     qh = qh.to(tl.float32)
                 s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                acc += tl.maximum(s, 0.0) * wh[:, None]
+                acc += _term(s, wh[:, None], QAT, RNE)
                 q_ptrs += stride_qh
                 w_ptrs += 1
+            acc = _logit(acc, QAT, RNE)
             vis = active[:, None] & (cols[None, :] < nv[:, None])
             if BLOCK_MAX:
                 blk = tl.max(
@@ -255,7 +291,7 @@ def _gather_kernel(
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, HAS_KSTART: tl.constexpr,
     D: tl.constexpr, H_PAD: tl.constexpr, BS: tl.constexpr, BPT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # A consumer at long context: per row, only its published blocks (ascending ids, -1 skipped)
     # are scored, BPT blocks of BS keys per tile, all heads of the row in one product.
@@ -295,7 +331,7 @@ def _gather_kernel(
             if UPCAST:
                 kt = kt.to(tl.float32)
             s = tl.dot(qt, kt, input_precision=DOT_PREC)
-            logit = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
+            logit = _logit(tl.sum(_term(s, wt[:, None], QAT, RNE), 0), QAT, RNE)
             key = _sortable(logit)
             take = valid & (logit > float("-inf")) & (key > tau)
             n_take = tl.sum(take.to(tl.int32), 0)
@@ -374,6 +410,7 @@ def launch_mqa_topk(
     cap: int | None = None,
     row_group: int = 4,
     consumer: str = "auto",
+    quant: QuantMode = "none",
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
@@ -381,8 +418,10 @@ def launch_mqa_topk(
     (row-buffer entries, a power of two ≥ k_top + BLOCK_N), `row_group` (rows cut at once),
     `consumer`: "map" scores every visible key and selects in the published blocks, "gather"
     scores only the published blocks' keys, "auto" gathers when the width is at least
-    GATHER_WIDTH_RATIO times the published positions."""
+    GATHER_WIDTH_RATIO times the published positions. `quant="qat"`: the reference's bf16 index
+    scores (each head's term rounded as `index_scores_qat`, the head sum rounded once)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
+    qat = check_quant_mode(quant) == "qat"
     t, h, d = q.shape
     n = k.shape[0]
     width = n if width is None else int(width)
@@ -428,7 +467,7 @@ def launch_mqa_topk(
         wide = width >= GATHER_WIDTH_RATIO * block_ids.shape[1] * block_size
         if consumer == "gather" or (consumer == "auto" and wide):
             _launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
-                           block_n, cap, nb)  # fmt: skip
+                           block_n, cap, nb, qat)  # fmt: skip
             return out, None
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -475,7 +514,7 @@ def launch_mqa_topk(
             HAS_KSTART=k_start is not None, MEMBER=member_mode, BLOCK_MAX=bool(max_blocks),
             BS=block_size, DIRECT=p == 1, PREFIX=not member_mode,
             D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec,
-            num_warps=warps, num_stages=stages,
+            QAT=qat, RNE=interpreting(), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if p > 1:
             _merge_kernel[(rows,)](
@@ -503,6 +542,7 @@ def _launch_gather(
     block_n: int,
     cap: int,
     nb: int,
+    qat: bool = False,
 ) -> None:
     """The consumer's gather mode into `out`: ids sorted, duplicates dropped (the kernel appends
     columns in ascending order, which the tie rule needs), one buffer per program."""
@@ -528,7 +568,7 @@ def _launch_gather(
         BS=block_size, BPT=block_n // block_size,
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        QAT=qat, RNE=interpreting(), num_warps=4,
     )  # fmt: skip
 
 
@@ -541,9 +581,12 @@ def mqa_topk(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
     """Triton twin of ops.indexer_topk.mqa_topk: int32 [T, k_top], ascending, -1 pads."""
-    return launch_mqa_topk(q, weights, k, n_visible, k_top, k_start=k_start, width=width)[0]
+    return launch_mqa_topk(
+        q, weights, k, n_visible, k_top, k_start=k_start, width=width, quant=quant
+    )[0]
 
 
 def mqa_topk_candidates(
@@ -557,6 +600,7 @@ def mqa_topk_candidates(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
 ) -> tuple[Tensor, Tensor]:
     """Triton twin of ops.indexer_topk.mqa_topk_candidates (the blocks equal candidate_blocks
     whenever the visible logits are finite, as they are for finite inputs)."""
@@ -564,7 +608,7 @@ def mqa_topk_candidates(
         raise ValueError(f"mqa_topk_candidates: max_blocks must be ≥ 1, got {max_blocks}")
     top, blocks = launch_mqa_topk(
         q, weights, k, n_visible, k_top,
-        k_start=k_start, width=width, block_size=block_size, max_blocks=max_blocks,
+        k_start=k_start, width=width, block_size=block_size, max_blocks=max_blocks, quant=quant,
     )  # fmt: skip
     assert blocks is not None
     return top, blocks
@@ -581,9 +625,52 @@ def mqa_topk_among_blocks(
     *,
     k_start: Tensor | None = None,
     width: int | None = None,
+    quant: QuantMode = "none",
 ) -> Tensor:
     """Triton twin of ops.indexer_topk.mqa_topk_among_blocks: int32 [T, k_top], -1 pads."""
     return launch_mqa_topk(
         q, weights, k, n_visible, k_top,
-        k_start=k_start, width=width, block_ids=block_ids, block_size=block_size,
+        k_start=k_start, width=width, block_ids=block_ids, block_size=block_size, quant=quant,
     )[0]  # fmt: skip
+
+
+def mqa_topk_cached(
+    q: Tensor,
+    weights: Tensor,
+    k_cache: Tensor,
+    k_rows: Tensor,
+    n_visible: Tensor,
+    k_top: int,
+    *,
+    k_start: Tensor | None = None,
+    width: int | None = None,
+    k_format: str = "dense",
+    quant: QuantMode = "none",
+    block_size: int = 1,
+    max_blocks: int = 0,
+    block_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Triton twin of ops.indexer_topk.mqa_topk_cached: the workspace entries' index keys decoded
+    once into a dense workspace [N, D_I] in q.dtype (`kv_decode.decode_gather`: exact, 256 B per
+    entry in bf16 at D_I = 128), then the fused scan (`launch_mqa_topk`)."""
+    d = q.shape[-1]
+    keys = index_workspace(k_cache, k_rows, k_format, d, q.dtype)
+    if block_ids is not None and max_blocks:
+        raise ValueError("mqa_topk_cached: block_ids (consumer) and max_blocks (source) exclude")
+    return launch_mqa_topk(
+        q, weights, keys, n_visible, k_top,
+        k_start=k_start, width=width, block_ids=block_ids, block_size=block_size,
+        max_blocks=max_blocks, quant=quant,
+    )  # fmt: skip
+
+
+def index_workspace(
+    k_cache: Tensor, k_rows: Tensor, k_format: str, d: int, dtype: torch.dtype
+) -> Tensor:
+    """The keys of the workspace entries [N, d] in `dtype`, decoded from their cache rows (−1 rows
+    read row 0, as the twin does: never visible by contract)."""
+    check_format(k_format)
+    if k_rows.dim() != 1:
+        raise ValueError(f"mqa_topk_cached: k_rows must be [N], got {tuple(k_rows.shape)}")
+    out = torch.empty((k_rows.shape[0], d), dtype=dtype, device=k_cache.device)
+    return decode_gather(k_cache, k_rows.clamp_min(0), k_format, d, out)

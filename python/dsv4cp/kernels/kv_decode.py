@@ -3,13 +3,19 @@
 `load_key_rows` loads [BLOCK_N, D_PAD] key values from rows given as pointers: dense rows as
 stored, quantized rows decoded from their code and scale bytes to exact fp32 values (every e4m3
 or e2m1 code times its scale is exact in fp32, and in bf16). Used by the sparse attention and
-the cached index logits; the host passes the format as `FORMAT_CODES[fmt]`.
+the cached index logits; the host passes the format as `FORMAT_CODES[fmt]`. `decode_gather`
+fills a bounded dense workspace from chosen rows (FlashMLA's input, the fused indexer's keys).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.ops.kv_format import check_format, row_width
 
 # format codes the kernels branch on (constexpr)
 FORMAT_CODES = {"dense": 0, "fp8_ue8m0_32": 1, "fp4_e4m3_16": 2, "fp4_ue8m0_32": 3}
@@ -59,3 +65,67 @@ def load_key_rows(row_ptr, d, mask, D: tl.constexpr, FMT: tl.constexpr):
             s = tl.load(row_ptr + D // 2 + d[None, :] // 32, mask=mask, other=127).to(tl.int32)
             vals = _minifloat(code, 2, 1, 1) * _ue8m0_value(s)
     return vals
+
+
+@triton.jit
+def _decode_gather_kernel(
+    cache_ptr,
+    src_ptr,
+    out_ptr,
+    ROWS,
+    stride_c,
+    stride_o,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FMT: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < ROWS
+    src = tl.load(src_ptr + r, mask=r_ok, other=-1)
+    ok = r_ok & (src >= 0)
+    d = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (d < D)[None, :]
+    vals = load_key_rows(cache_ptr + src[:, None].to(tl.int64) * stride_c, d, mask, D, FMT)
+    out = out_ptr + r[:, None].to(tl.int64) * stride_o + d[None, :]
+    tl.store(out, to_dtype(vals.to(tl.float32), out_ptr.dtype.element_ty, RNE), mask=mask)
+
+
+def decode_gather(
+    cache: Tensor, src_rows: Tensor, fmt: str, dim: int, out: Tensor, *, block_r: int = 16
+) -> Tensor:
+    """out[i] = the key values of cache row src_rows[i] (decoded from `fmt`) in out.dtype, for
+    every src_rows[i] ≥ 0; rows with −1 are left as they are. A bounded workspace's fill: the
+    values are exact in bf16, so a bf16 workspace holds the dequantized keys bit for bit."""
+    width = row_width(check_format(fmt), dim)
+    if cache.dim() != 2 or cache.shape[1] != width:
+        raise ValueError(f"decode_gather: cache must be [N, {width}] ({fmt}), got {cache.shape}")
+    if src_rows.dim() != 1 or out.dim() != 2 or out.shape[1] != dim:
+        raise ValueError(
+            f"decode_gather: src_rows [B] and out [B, {dim}], got {tuple(src_rows.shape)}, "
+            f"{tuple(out.shape)}"
+        )
+    if out.shape[0] < src_rows.shape[0] or out.stride(1) != 1:
+        raise ValueError("decode_gather: out must hold every row, rows contiguous")
+    rows = src_rows.shape[0]
+    if rows == 0:
+        return out
+    if cache.stride(1) != 1:
+        cache = cache.contiguous()
+    src = src_rows if src_rows.dtype == torch.int32 else src_rows.to(torch.int32)
+    _decode_gather_kernel[(triton.cdiv(rows, block_r),)](
+        cache,
+        src.contiguous(),
+        out,
+        rows,
+        cache.stride(0),
+        out.stride(0),
+        D=dim,
+        D_PAD=max(16, triton.next_power_of_2(dim)),
+        BLOCK_R=block_r,
+        FMT=FORMAT_CODES[fmt],
+        RNE=interpreting(),
+        num_warps=4,
+    )
+    return out

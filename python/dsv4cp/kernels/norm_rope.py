@@ -473,7 +473,7 @@ def norm_rope_rows(
     if out.stride(1) != 1 or (mid is not None and mid.stride(1) != 1):
         raise ValueError("norm/rope kernel: out and mid need unit stride along D")
     quant, qblock = FAKE_QUANTS[fake_quant] if fake_quant is not None else (0, 16)
-    if d % qblock:
+    if fake_quant is not None and d % qblock:
         raise ValueError(f"norm/rope kernel: D = {d} is not a multiple of the {qblock} block")
     rdt = round_dtype or out.dtype
     if rdt not in _TL_DTYPES:
@@ -619,3 +619,42 @@ def rope_index_queries(
         fake_quant="fp4" if _qat(quant) else None,
     )
     return out
+
+
+def rope_tail_(
+    x: Tensor,
+    positions: Tensor,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+    inverse: bool = False,
+) -> Tensor:
+    """Triton twin of ops.rope.rope_tail_: the last `rope_dim` dims of x [T, ..., D] rotated in
+    place, one pass over the tail only (the row kernel with norm off, rows = T·heads); the
+    torch op's chain of fp32 temporaries reads and writes the tail about ten times."""
+    if x.dim() < 2 or positions.shape != (x.shape[0],):
+        raise ValueError(
+            f"rope_tail_: x must be [T, ..., D] and positions [T], got {tuple(x.shape)} and "
+            f"{tuple(positions.shape)}"
+        )
+    d = x.shape[-1]
+    if rope_dim <= 0 or rope_dim % 2 or rope_dim > d:
+        raise ValueError(f"rope_tail_ kernel: rope_dim {rope_dim} must be even and in (0, {d}]")
+    if x.numel() == 0:
+        return x
+    per_token = x[0].numel() // d  # rows (heads) per token
+    try:
+        rows = x.view(-1, d)  # every row of D values, in token-major order
+    except RuntimeError:
+        rows = None
+    if rows is None or rows.stride(1) != 1:  # a layout the row view cannot take: via a copy
+        y = x.contiguous()
+        rope_tail_(y, positions, rope_dim, theta, yarn, inverse)
+        return x.copy_(y)
+    tail = rows[:, d - rope_dim :]
+    pos = positions[:, None].expand(-1, per_token).reshape(-1) if per_token > 1 else positions
+    norm_rope_rows(
+        tail, tail, positions=pos, rope_dim=rope_dim, theta=theta, yarn=yarn, norm=False,
+        inverse=inverse,
+    )  # fmt: skip
+    return x

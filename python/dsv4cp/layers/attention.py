@@ -40,7 +40,6 @@ from dsv4cp.observe.timing import stage
 from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.routing import (
-    candidate_blocks,
     compressed_key,
     compressed_latent,
     grouped_wo_a,
@@ -48,18 +47,15 @@ from dsv4cp.routing import (
     indexer_weights,
     linear_fp32,
     mqa_logits_cached,
+    mqa_topk_cached,
     pair_pool,
     rms_norm,
     rope_index_queries,
     rope_tail_,
     sparse_attention_cached,
     swa_key,
-    topk_among_blocks,
-    topk_indices,
 )
 from dsv4cp.schedule import DEFAULT, Fork, Join, Node, PrepareState, Release, Schedule, Step
-
-LOGITS_BUDGET_BYTES = 256 << 20  # fp32 MQA logits per row chunk
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -308,38 +304,31 @@ class DeepseekV41Attention(nn.Module):
         )
 
     def _logits_topk(self, st: PrepareState) -> None:
-        """Local index queries × the ratio's index keys (`index_logits`, in row chunks) →
-        top-k (and candidates)."""
+        """Local index queries × the ratio's index keys, read from the kv source's index cache,
+        → top-k (and candidates) in one routed op (`mqa_topk_cached`): on CUDA the fused
+        logits + running top-k kernel (the [rows, context] logits never reach memory), on CPU
+        the ops twin (`index_logits` in row chunks, then the selection)."""
         ctx = st.ctx
-        r = self.role.ratio
-        n_vis = ctx.local.n_visible(r)
-        width = max(ctx.meta.workspaces[r].max_entries, 1)
-        rows = ctx.local.num_rows
-        chunk = max(1, min(rows, LOGITS_BUDGET_BYTES // (4 * width)))
-        cfg = self.config
-        topk_parts, cand_parts = [], []
-        for a in range(0, rows, chunk):
-            b = min(rows, a + chunk)
-            logits = self.index_logits(st["idx_q"][a:b], st["idx_w"][a:b], ctx, slice(a, b))
-            if self.role.candidate_consumer:
-                blocks = ctx.cross.candidates[r][a:b]
-                topk_parts.append(
-                    topk_among_blocks(
-                        logits, n_vis[a:b], blocks, cfg.candidate_block_size, cfg.index_topk
-                    )
-                )
-            else:
-                topk_parts.append(topk_indices(logits, n_vis[a:b], cfg.index_topk))
-            if self.role.candidate_source:
-                cand_parts.append(
-                    candidate_blocks(
-                        logits, n_vis[a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks
-                    )
-                )
-        topk = torch.cat(topk_parts)
+        r, cfg, cache = self.role.ratio, self.config, ctx.cache
+        ws = ctx.meta.workspaces[r]
+        topk, blocks = mqa_topk_cached(
+            st["idx_q"],
+            st["idx_w"],
+            cache.index[self._kv_source()],
+            cache.entry_rows(r, ws.slots),
+            ctx.local.n_visible(r),
+            cfg.index_topk,
+            k_start=ctx.workspace_start(r),
+            width=max(ws.max_entries, 1),
+            k_format=cache.formats.index,
+            quant=self.quant,
+            block_size=cfg.candidate_block_size,
+            max_blocks=cfg.candidate_topk_blocks if self.role.candidate_source else 0,
+            block_ids=ctx.cross.candidates[r] if self.role.candidate_consumer else None,
+        )
         ctx.cross.topk[r] = topk
-        if cand_parts:
-            ctx.cross.candidates[r] = torch.cat(cand_parts)
+        if blocks is not None:
+            ctx.cross.candidates[r] = blocks
         st["topk"] = topk
 
     # ------------------------------------------------------------------ schedule
@@ -449,6 +438,23 @@ class DeepseekV41Attention(nn.Module):
         comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
         return win, comp.to(torch.int32)
 
+    def workspace_rows(self, ctx: ForwardContext) -> tuple[int, int]:
+        """Upper bounds, from the batch's shapes (no host sync), on the distinct SWA rows and
+        compressed rows this rank's sparse indices name: each request's window reaches at most
+        W − 1 positions before its new tokens, and the top-k entries are the ratio's workspace
+        entries. Sizes FlashMLA's bf16 workspace (`kernels/flashmla.py`)."""
+        meta = ctx.meta
+        t = meta.tokens.num_rows
+        if meta.batch is not None:
+            requests = len(meta.batch.requests)
+        else:  # a graph bucket's static metadata: its workspaces have a row per request
+            offsets = [ws.request_offset.shape[0] for ws in meta.workspaces.values()]
+            requests = max(offsets) if offsets else t
+        swa = t + (self.window - 1) * requests
+        if not self.role.compressed:
+            return swa, 0
+        return swa, int(meta.workspaces[self.role.ratio].slots.shape[0])
+
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
         local, cache = ctx.local, ctx.cache
         win, comp_idx = self.sparse_indices(ctx)
@@ -464,6 +470,7 @@ class DeepseekV41Attention(nn.Module):
             cache.formats.swa,
             cache.formats.compressed,
             self.quant,
+            workspace_rows=self.workspace_rows(ctx),
         )
         o = rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
         # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).

@@ -14,7 +14,12 @@ from dsv4cp.ops.indexer import (
     topk_indices,
 )
 from dsv4cp.ops.indexer_cached import mqa_logits_cached
-from dsv4cp.ops.indexer_topk import mqa_topk, mqa_topk_among_blocks, mqa_topk_candidates
+from dsv4cp.ops.indexer_topk import (
+    mqa_topk,
+    mqa_topk_among_blocks,
+    mqa_topk_cached,
+    mqa_topk_candidates,
+)
 from dsv4cp.ops.linear import fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
@@ -41,6 +46,7 @@ __all__ = [
     "mqa_logits_cached",
     "mqa_topk",
     "mqa_topk_among_blocks",
+    "mqa_topk_cached",
     "mqa_topk_candidates",
     "pair_pool",
     "rms_norm",

@@ -91,6 +91,8 @@ def sparse_attention_cached(
     swa_format: str = "dense",
     comp_format: str = "dense",
     quant: QuantMode = "none",
+    *,
+    workspace_rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """Sparse attention over the keys swa[swa_indices] then comp[comp_indices], each cache
     stored in its format (`ops.kv_format`: dense, or quantized rows decoded here to fp32).
@@ -99,7 +101,8 @@ def sparse_attention_cached(
     (both None for a layer without compressed keys); -1 indices skipped; → [T,H,D] in q.dtype.
     Equal to `sparse_attention` ("none") or `attention_quant.sparse_attention_qat` ("qat": the
     reference's block order and probability rounding) over the dequantized rows concatenated in
-    that order.
+    that order. `workspace_rows` (SWA rows, compressed rows) bounds the distinct rows the
+    indices name, for the CUDA path's bf16 workspace (`kernels/flashmla.py`); unused here.
     """
     t, h, d = q.shape
     if sink.shape != (h,):
