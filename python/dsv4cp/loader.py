@@ -152,6 +152,8 @@ def _check_names(reader: CheckpointReader, model: DeepseekV41Model) -> dict[str,
             text.add(n)
         else:
             skipped[kind].append(n)
+    if not skipped[EP_SKIPPED]:
+        del skipped[EP_SKIPPED]  # no expert parallelism
     want = expected_names(model)
     missing, unexpected = sorted(want - text), sorted(text - want)
     if missing or unexpected:
