@@ -22,6 +22,7 @@ from dsv4cp.ops.moe import (
     combine,
     ep_dispatch,
     ep_local_experts,
+    ep_pack,
     ep_per_token,
     moe,
     route,
@@ -161,14 +162,17 @@ class MoE(nn.Module):
             raise ValueError(f"moe: row_ids must be [{x.shape[0]}], got {tuple(row_ids.shape)}")
         spec, tag = self.spec, f"layer{self.layer}"
         routing = route(x, self.gate_weight, self.gate_bias, spec)
-        plan = ep_dispatch(x, routing, row_ids, ep.cp_size, len(self.experts))
-        splits = split_matrix(ep, plan.counts, tag=f"{tag}/ep_counts")
-        received = ep.all_to_all(plan.rows, splits, tag=f"{tag}/ep_dispatch")
+        per_rank = len(self.experts)
+        plan = ep_dispatch(routing, row_ids, ep.cp_size, per_rank)
+        splits = split_matrix(ep, plan.counts, tag=f"{tag}/ep_counts")  # the one host sync
+        pairs = plan.order[: sum(splits[ep.rank])]
+        rows = ep_pack(x, routing, row_ids, pairs, per_rank)
+        received = ep.all_to_all(rows, splits, tag=f"{tag}/ep_dispatch")
         stacks = tuple(self.stack(n) for n in _PROJECTIONS)
         out = ep_local_experts(received, x.dtype, stacks, spec, quant, backend)  # type: ignore[arg-type]
         back = [list(col) for col in zip(*splits)]  # the transposed matrix: results go home
         pair_out = ep.all_to_all(out, back, tag=f"{tag}/ep_combine")
-        per_token = ep_per_token(pair_out, plan.pairs, x.shape[0], spec.num_experts_per_tok)
+        per_token = ep_per_token(pair_out, pairs, x.shape[0], spec.num_experts_per_tok)
         return combine(per_token, self.shared_mlp(x, quant), x.dtype)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:

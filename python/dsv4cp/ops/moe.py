@@ -380,13 +380,12 @@ def moe(
 
 
 class Dispatch(NamedTuple):
-    """What one rank sends in an EP dispatch: ``pairs`` the flat pair ids (t·k + j) it sends,
-    grouped by destination rank (token order kept inside a group); ``counts`` int64 [ranks]
-    rows per destination; ``rows`` the packed payload [n, row_bytes] uint8 (`pack_pairs`)."""
+    """An EP dispatch of one rank: ``order`` every flat pair id (t·k + j) grouped by destination
+    rank (token order kept inside a group; pairs of padding rows last, not sent) and ``counts``
+    int64 [ranks]: pairs for each destination."""
 
-    pairs: Tensor
+    order: Tensor
     counts: Tensor
-    rows: Tensor
 
 
 META_BYTES = 12  # per pair: local expert (int32), routing weight (fp32 bits), global token (int32)
@@ -415,29 +414,44 @@ def unpack_pairs(
     return x, meta[:, 0].long(), meta[:, 1].view(torch.float32), meta[:, 2].long()
 
 
+def _token_ids(routing: Routing, row_ids: Tensor | None) -> Tensor:
+    t = routing.experts.shape[0]
+    return torch.arange(t, device=routing.experts.device) if row_ids is None else row_ids
+
+
 def ep_dispatch(
-    x: Tensor, routing: Routing, row_ids: Tensor | None, n_ranks: int, experts_per_rank: int
+    routing: Routing, row_ids: Tensor | None, n_ranks: int, experts_per_rank: int
 ) -> Dispatch:
-    """The pairs of this rank's rows x [P, d] for expert parallelism over `n_ranks` ranks, each
-    holding `experts_per_rank` consecutive experts: grouped by destination, packed. Rows with
-    `row_ids` < 0 (CP padding) send nothing; `row_ids` (global token ids, default the row
-    index) travel with the pairs so an owner orders its rows as expert parallelism 1 does."""
-    t, k = routing.experts.shape
-    ids = torch.arange(t, device=x.device) if row_ids is None else row_ids
+    """Where the pairs of this rank's rows go, for expert parallelism over `n_ranks` ranks each
+    holding `experts_per_rank` consecutive experts. Rows with `row_ids` < 0 (CP padding) send
+    nothing. No host sync."""
+    k = routing.experts.shape[1]
     flat = routing.experts.flatten()
-    valid = (ids >= 0).repeat_interleave(k)
+    valid = (_token_ids(routing, row_ids) >= 0).repeat_interleave(k)
     dest = torch.where(valid, flat // experts_per_rank, n_ranks)  # n_ranks: not sent
     order = torch.sort(dest, stable=True).indices
-    counts = torch.zeros(n_ranks + 1, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(n_ranks + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, dest, torch.ones_like(dest))
-    pairs = order[: t * k - int(counts[n_ranks])] if row_ids is not None else order
-    rows = pack_pairs(
+    return Dispatch(order, counts[:n_ranks])
+
+
+def ep_pack(
+    x: Tensor,
+    routing: Routing,
+    row_ids: Tensor | None,
+    pairs: Tensor,
+    experts_per_rank: int,
+) -> Tensor:
+    """The `pack_pairs` rows of `pairs` (the first Σ counts of `Dispatch.order`): x's row, the
+    expert's number on its rank, the routing weight and the global token id (`row_ids`, default
+    the row index), which owners order their rows by, as expert parallelism 1 does."""
+    k = routing.experts.shape[1]
+    return pack_pairs(
         x[pairs // k],
-        flat[pairs] % experts_per_rank,
+        routing.experts.flatten()[pairs] % experts_per_rank,
         routing.weights.flatten()[pairs],
-        ids.repeat_interleave(k)[pairs],
+        _token_ids(routing, row_ids).repeat_interleave(k)[pairs],
     )
-    return Dispatch(pairs, counts[:n_ranks], rows)
 
 
 def ep_local_experts(
