@@ -34,7 +34,7 @@ class TorchDistCPGroup:
     NCCL: `all_gather_single` (all_gather_into_tensor) with async_op=False, which torch ≥ 2.8
     launches on the current stream. gloo: the same call, async, waited with `timeout_s`.
     `all_to_all`: `all_to_all_single` with the split sizes of the matrix, the same way (gloo
-    runs it on CPU and CUDA tensors alike: docs/ep.md, measured on torch 2.14).
+    runs it on CPU and CUDA tensors; gloo's list `all_to_all` refuses CUDA tensors: docs/ep.md).
 
     Records: with `check_order` (or DSV4CP_DEBUG_CP=1) every collective is preceded by an
     all-gather of a fixed-size int64 record (seq, tag crc, shape, dtype) and ranks that

@@ -155,6 +155,8 @@ class EagerBreakCPGroup:
         return self.inner.all_gather(x, tag=tag)
 
     def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        """An eager break too; its output shape is fixed at capture, so only splits that do not
+        change between capture and replay are valid (the MoE refuses EP under capture)."""
         return eager_break(self._all_to_all, x, splits, tag)
 
     def _all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], tag: str) -> Tensor:
