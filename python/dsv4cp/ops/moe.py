@@ -16,7 +16,9 @@ Every GEMM goes through ``dsv4cp.ops.linear.linear`` (``quant="qat"``: fp8 activ
 32 with power-of-two scales before the fp4 / fp8 weight, fp32 accumulation, output in x.dtype;
 ``"none"``: the dequantized weight in x.dtype). The routed experts are grouped: token-expert pairs
 are sorted by expert so that each expert's rows are one contiguous slice (``grouped_expert_mlp``).
-All of it is per token, so context parallelism cannot change it.
+All of it is per token, so context parallelism cannot change it. Expert parallelism (docs/ep.md)
+reuses `combine`, and its twins below (`ep_dispatch`, `ep_pack`, `ep_local_experts`,
+`ep_per_token`) give every expert the rows, in the order, that it gets here.
 """
 
 from __future__ import annotations
