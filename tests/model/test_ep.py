@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -22,6 +24,7 @@ from dsv4cp.cli import main as cli_main
 from dsv4cp.cp.fake import FakeCPWorld, run_ranks
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.guard import CPOrderError
+from dsv4cp.cp.launch import CPLaunchError, spawn_ranks
 from dsv4cp.layers.moe import MoE, expert_range
 from dsv4cp.loader import EP_SKIPPED, load_checkpoint
 from dsv4cp.model import DeepseekV41Model
@@ -175,3 +178,26 @@ def test_check_ep_flags(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert code == 0 and "(ep=3): PASS" in out, out
+
+
+def _dies_in_the_exchange(group, sc: Scenario):  # noqa: ANN001 - spawned top-level function
+    if group.rank == 1:
+        inner = group.all_to_all
+
+        def all_to_all(x, splits, *, tag):  # noqa: ANN001
+            if tag == "layer2/ep_dispatch":
+                os._exit(3)
+            return inner(x, splits, tag=tag)
+
+        group.all_to_all = all_to_all
+    return run_scenario(sc, group)
+
+
+def test_rank_exiting_in_the_ep_exchange_fails_the_others_within_the_timeout() -> None:
+    sc = Scenario(lens=(9,), ep=True)
+    t0 = time.monotonic()
+    with pytest.raises(CPLaunchError, match="rank 1") as info:
+        spawn_ranks(2, _dies_in_the_exchange, (sc,), timeout_s=10, check_order=True)
+    assert time.monotonic() - t0 < 10 + 10
+    assert info.value.failures[0].startswith("raised CPCommError"), info.value.failures
+    assert "layer2/ep_" in info.value.failures[0]
