@@ -5,7 +5,10 @@ final norm, head, and per block its norms, hyper-connections, attention, MoE and
 projections), and each Engram layer's table, attached as a read-only memmap of its shard
 (`CheckpointReader.memmap`: only looked-up rows are ever read). What is skipped, by name and on
 purpose, with one log line: the vision tower (`vision.*`, `aligner.*`, `image_*`, and each MoE
-gate's `gate.bias_vl`, the routing bias of image tokens) and the DSpark draft layers (`mtp.*`).
+gate's `gate.bias_vl`, the routing bias of image tokens) and the DSpark draft layers (`mtp.*`);
+with expert parallelism (docs/ep.md) the routed experts other ranks hold
+(`layers.L.ffn.experts.E.*` outside this rank's `MoE.experts`): never read, so a rank's host and
+device memory hold only its n_routed_experts / N experts.
 Any other name the model does not expect, or any name it expects that the checkpoint lacks, is
 one `CheckpointError` listing them all (unexpected ones with their shard).
 
@@ -37,6 +40,7 @@ from dsv4cp.checkpoint.header import safetensors_dtype, torch_dtype
 from dsv4cp.checkpoint.validate import check_quantized_weight
 from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import TABLE_NAMES, Engram
+from dsv4cp.layers.moe import MoE
 from dsv4cp.ops.engram import RowSource
 from dsv4cp.ops.engram_hash import NgramHasher
 
@@ -117,15 +121,39 @@ def expected_names(model: DeepseekV41Model) -> set[str]:
     return names
 
 
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+EP_SKIPPED = "other EP ranks'"
+
+
+def foreign_expert(model: DeepseekV41Model, name: str) -> bool:
+    """`name` is a routed expert's tensor that another expert-parallel rank holds (an expert
+    number past the layer's count stays unexpected)."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return False
+    layer, expert = int(m.group(1)), int(m.group(2))
+    if not 0 <= layer < len(model.blocks):
+        return False
+    ffn = model.blocks[layer].ffn
+    if not isinstance(ffn, MoE):
+        return False
+    return expert not in ffn.experts and 0 <= expert < ffn.spec.n_routed_experts
+
+
 def _check_names(reader: CheckpointReader, model: DeepseekV41Model) -> dict[str, list[str]]:
     skipped: dict[str, list[str]] = {kind: [] for kind, _, _ in SKIPPED}
+    skipped[EP_SKIPPED] = []
     text = set()
     for n in reader.names():
         kind = skipped_kind(n)
+        if kind is None and foreign_expert(model, n):
+            kind = EP_SKIPPED
         if kind is None:
             text.add(n)
         else:
             skipped[kind].append(n)
+    if not skipped[EP_SKIPPED]:
+        del skipped[EP_SKIPPED]  # no expert parallelism
     want = expected_names(model)
     missing, unexpected = sorted(want - text), sorted(text - want)
     if missing or unexpected:
@@ -227,10 +255,12 @@ def load_checkpoint(
     report = LoadReport()
     with CheckpointReader(path) as reader:
         report.skipped = _check_names(reader, model)
+        whys = [(kind, why) for kind, why, _ in SKIPPED]
+        whys.append((EP_SKIPPED, "expert parallelism: other ranks hold them"))
         parts = [
-            f"{len(v)} {kind} tensors ({why})"
-            for (kind, why, _), v in zip(SKIPPED, report.skipped.values())
-            if v
+            f"{len(report.skipped[kind])} {kind} tensors ({why})"
+            for kind, why in whys
+            if report.skipped.get(kind)
         ]
         if parts:
             say(f"dsv4cp: skipping {' and '.join(parts)}: text prefill does not read them")

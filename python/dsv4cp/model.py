@@ -27,11 +27,12 @@ from torch import Tensor, nn
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.group import gather_global
+from dsv4cp.cp.group import CPGroup, gather_global
 from dsv4cp.executors import SERIAL_ONLY, LayerExecutors
 from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.engram_hashes import EngramHashes
+from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
 from dsv4cp.ops.engram import RowSource
@@ -90,9 +91,14 @@ class DeepseekV41Model(nn.Module):
         device: torch.device | str = "cpu",
         seed: int | None = 0,
         quant: str = "none",
+        ep: CPGroup | None = None,
     ) -> None:
+        """`ep`: the expert-parallel group (docs/ep.md): every MoE holds this rank's
+        n_routed_experts / ep.cp_size experts and exchanges pairs over it; None = every expert
+        here. Fixed for the model's life (its weights are sharded)."""
         super().__init__()
         self.quant = check_quant_mode(quant)
+        self.ep = ep
         check_supported(config, self.quant)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         d, v = config.hidden_size, config.vocab_size
@@ -100,7 +106,7 @@ class DeepseekV41Model(nn.Module):
             torch.empty(v, d, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DeepseekV41Block(config, i, dtype=dtype, device=device, quant=self.quant)
+            DeepseekV41Block(config, i, dtype=dtype, device=device, quant=self.quant, ep=ep)
             for i in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(d, dtype=dtype, device=device), requires_grad=False)
@@ -157,8 +163,13 @@ class DeepseekV41Model(nn.Module):
         return out
 
     def init_random(self, seed: int, *, device: torch.device | str = "cpu") -> None:
-        """Deterministic random weights (`init_random_`); Engram tables are not drawn."""
-        init_random_(self.checkpoint_weights(), self.config, seed, device=device)
+        """Deterministic random weights (`init_random_`); Engram tables are not drawn. With EP
+        the other ranks' experts are drawn too, into scratch, so every value is EP = 1's."""
+        weights = self.checkpoint_weights()
+        for block in self.blocks:
+            if isinstance(block.ffn, MoE) and block.ffn.ep is not None:
+                weights.update(block.ffn.foreign_expert_slots(f"layers.{block.layer}.ffn."))
+        init_random_(weights, self.config, seed, device=device)
 
     def attach_engram(
         self, hasher: NgramHasher, tables: dict[int, tuple[RowSource, RowSource]]
@@ -186,6 +197,8 @@ class DeepseekV41Model(nn.Module):
 
         if self.engram_layers:
             raise ValueError("save_pretrained: Engram tables are not exported (no writer)")
+        if self.ep is not None and self.ep.cp_size > 1:
+            raise ValueError("save_pretrained: an expert-parallel model holds only its experts")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(self.config.to_hf(), f, indent=2)
@@ -238,12 +251,14 @@ class DeepseekV41Model(nn.Module):
         quant: str = "qat",
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        ep: CPGroup | None = None,
     ) -> DeepseekV41Model:
-        """Load a released-format DeepSeek-V4.1 checkpoint directory (`loader.load_checkpoint`)."""
+        """Load a released-format DeepSeek-V4.1 checkpoint directory (`loader.load_checkpoint`);
+        with `ep` only this rank's experts are read."""
         from dsv4cp.loader import load_checkpoint
 
         config = DeepseekV41Config.from_hf(path)
-        model = cls(config, dtype=dtype, device=device, seed=None, quant=quant)
+        model = cls(config, dtype=dtype, device=device, seed=None, quant=quant, ep=ep)
         load_checkpoint(model, Path(path))
         return model
 

@@ -1,5 +1,6 @@
 """`dsv4cp check`: a model at CP=N against CP=1, largest differences per layer (the tiny config
-with mHC + MoE, or `--checkpoint DIR`)."""
+with mHC + MoE, or `--checkpoint DIR`); `--ep` also runs CP=N with the routed experts split over
+the same N ranks (expert parallelism, docs/ep.md) against CP=1, EP=1."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import json
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from dsv4cp.commands.common import (
+    UsageError,
     add_cp_args,
     add_model_args,
     check_cp_args,
@@ -17,9 +20,13 @@ from dsv4cp.commands.common import (
     check_fake_side_streams,
     finite_float,
     int_list,
+    positive_int,
     positive_int_list,
     scenario_from_args,
 )
+
+if TYPE_CHECKING:
+    from dsv4cp.tools.checking import Scenario
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,14 +59,51 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="also run CP=N replaying breakable CUDA graphs (CUDA only)",
     )
+    p.add_argument(
+        "--ep",
+        action="store_true",
+        help="also run CP=N with expert parallelism over the same N ranks (each holds "
+        "n_routed_experts / N experts; N must divide it); compared with CP=1, EP=1",
+    )
+    p.add_argument(
+        "--experts",
+        type=positive_int,
+        default=None,
+        help="routed experts of the tiny random model (default 8; e.g. 12 for --cp 3 --ep)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
+
+
+def ep_scenario(args: argparse.Namespace, base: Scenario) -> Scenario:
+    """The scenario with --experts applied; with --ep, checks that N divides the experts."""
+    if args.experts is not None:
+        if args.checkpoint is not None:
+            raise UsageError("--experts changes the tiny random model; not with --checkpoint")
+        if args.experts < base.config.num_experts_per_tok:
+            raise UsageError(
+                f"--experts {args.experts}: fewer than the {base.config.num_experts_per_tok} "
+                "experts each token picks"
+            )
+        base = replace(base, config=replace(base.config, n_routed_experts=args.experts))
+    if args.ep:
+        n = base.config.n_routed_experts
+        if not n:
+            raise UsageError("--ep: the model has no routed experts (no MoE)")
+        if n % args.cp:
+            fits = [d for d in range(2, n + 1) if n % d == 0]
+            raise UsageError(
+                f"--ep: --cp {args.cp} does not divide the model's {n} routed experts (each rank "
+                f"holds n_routed_experts / N); use --cp in {fits}"
+                + (" or --experts" if args.checkpoint is None else "")
+            )
+    return base
 
 
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.tools.checking import compare, run_cp_scenario, run_scenario, summarize
 
-    base = scenario_from_args(args)
+    base = ep_scenario(args, scenario_from_args(args))
     backend = check_cp_args(args)
     check_fake_side_streams(args, backend)
     check_cpu_size(args, base.lens)
@@ -78,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             if ms or graphs:
                 name = "+".join(n for n, on in (("multistream", ms), ("graphs", graphs)) if on)
                 variants.append((name, replace(base, multistream=ms, graphs=graphs)))
+    if args.ep:
+        variants.append((f"ep={args.cp}", replace(base, ep=True)))
     reports = {}
     for name, sc in variants:
         print(f"[2/2] CP={args.cp} ({backend}, {name}) ...", file=log, flush=True)
@@ -93,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         "prefix": list(base.prefix),
         "chunk": base.chunk,
         "seed": base.seed,
+        "ep": args.cp if args.ep else 1,
+        "routed_experts": base.config.n_routed_experts,
         "device": base.device,
         "variants": reports,
         "pass": ok,

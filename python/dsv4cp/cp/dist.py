@@ -18,9 +18,10 @@ from dsv4cp.cp.group import (
     SingleCPGroup,
     check_cp_size,
     check_input,
+    check_splits,
     check_timeout,
 )
-from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order
+from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order, splits_crc
 
 __all__ = ["TorchDistCPGroup", "new_cp_group"]
 
@@ -32,6 +33,8 @@ class TorchDistCPGroup:
 
     NCCL: `all_gather_single` (all_gather_into_tensor) with async_op=False, which torch ≥ 2.8
     launches on the current stream. gloo: the same call, async, waited with `timeout_s`.
+    `all_to_all`: `all_to_all_single` with the split sizes of the matrix, the same way (gloo
+    runs it on CPU and CUDA tensors; gloo's list `all_to_all` refuses CUDA tensors: docs/ep.md).
 
     Records: with `check_order` (or DSV4CP_DEBUG_CP=1) every collective is preceded by an
     all-gather of a fixed-size int64 record (seq, tag crc, shape, dtype) and ranks that
@@ -99,6 +102,21 @@ class TorchDistCPGroup:
         self._run(rec, lambda: self._gather_raw(out, wire))
         return out.view(x.dtype) if wire is not x else out
 
+    def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        x = check_input(x, tag)
+        matrix, send, recv = check_splits(x, splits, self._rank, self._cp_size, tag)
+        total = sum(map(sum, matrix))
+        rec = self.guard.next(
+            "all_to_all", tag, x, shape=(total, *x.shape[1:]), splits=splits_crc(matrix)
+        )
+        if self._cp_size == 1:
+            return x
+        self._exchange(rec)
+        wire = x.view(torch.uint8) if x.dtype in _RAW_BYTE_DTYPES else x
+        out = wire.new_empty((sum(recv), *wire.shape[1:]))
+        self._run(rec, lambda: self._all_to_all_raw(out, wire, send, recv))
+        return out.view(x.dtype) if wire is not x else out
+
     def barrier(self) -> None:
         rec = self.guard.next("barrier", "barrier", None)
         if self._cp_size == 1:
@@ -125,6 +143,14 @@ class TorchDistCPGroup:
             return
         work = self._gather_into(out, x, group=self._group, async_op=True)
         if work is not None:  # async_op=True always returns a Work handle
+            work.wait(timeout=self._td())
+
+    def _all_to_all_raw(self, out: Tensor, x: Tensor, send: list[int], recv: list[int]) -> None:
+        if self.backend == "nccl":  # current stream, ordered on it
+            dist.all_to_all_single(out, x, recv, send, group=self._group)
+            return
+        work = dist.all_to_all_single(out, x, recv, send, group=self._group, async_op=True)
+        if work is not None:
             work.wait(timeout=self._td())
 
     def _run(self, rec: CollectiveRecord, op: Callable[[], None]) -> None:

@@ -25,9 +25,10 @@ from dsv4cp.cp.group import (
     CPTimeoutError,
     check_cp_size,
     check_input,
+    check_splits,
     check_timeout,
 )
-from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order
+from dsv4cp.cp.guard import CollectiveRecord, OrderGuard, resolve_check_order, splits_crc
 from dsv4cp.cp.limits import check_cp_limit
 
 __all__ = ["FakeCPGroup", "FakeCPWorld", "run_ranks"]
@@ -152,14 +153,43 @@ class FakeCPGroup:
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
         x = check_input(x, tag)
+        self._not_capturing(x, tag)
+        rec = self.guard.next("all_gather", tag, x)
+        slots = self._deposit(rec, x)
+        return torch.cat(self._borrow(x, [t for _, t, _ in slots], slots))
+
+    def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        x = check_input(x, tag)
+        self._not_capturing(x, tag)
+        matrix, _, _ = check_splits(x, splits, self._rank, self.cp_size, tag)
+        total = sum(map(sum, matrix))
+        rec = self.guard.next(
+            "all_to_all", tag, x, shape=(total, *x.shape[1:]), splits=splits_crc(matrix)
+        )
+        slots = self._deposit(rec, x)  # the guard has checked every rank passed this matrix
+        me = self._rank
+        parts = []
+        for i, (_, t, _) in enumerate(slots):
+            start = sum(matrix[i][:me])
+            parts.append(t[start : start + matrix[i][me]])
+        return torch.cat(self._borrow(x, parts, slots))
+
+    @staticmethod
+    def _not_capturing(x: Tensor, tag: str) -> None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"FakeCPGroup cannot run inside CUDA graph capture ({tag!r})")
-        rec = self.guard.next("all_gather", tag, x)
+
+    def _deposit(self, rec: CollectiveRecord, x: Tensor) -> list[tuple]:
+        """Deposit x (with an event on CUDA), meet the other ranks; their (rec, x, event)."""
         event = None
         if x.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(x.device))
-        slots = self._meet(rec, (rec, x, event))
+        return self._meet(rec, (rec, x, event))
+
+    def _borrow(self, x: Tensor, parts: list[Tensor], slots: list[tuple]) -> list[Tensor]:
+        """The other ranks' tensors (or slices) usable on this rank's current stream: wait on
+        their events, move them to x's device; `record_stream` keeps the producers' blocks."""
         stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
         for r, (_, _, ev) in enumerate(slots):
             if r != self._rank and ev is not None:
@@ -167,8 +197,7 @@ class FakeCPGroup:
                     stream.wait_event(ev)  # GPU-side wait, no host sync
                 else:
                     ev.synchronize()  # a CPU consumer of a CUDA producer
-        parts = [t if t.device == x.device else t.to(x.device) for _, t, _ in slots]
-        out = torch.cat(parts)
+        out = [t if t.device == x.device else t.to(x.device) for t in parts]
         if stream is not None:
             for r, (_, t, _) in enumerate(slots):
                 if r != self._rank and t.device == x.device:

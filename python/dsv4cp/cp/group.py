@@ -6,12 +6,20 @@ stream (never on a side stream: docs/invariants.md, invariant 1). Every rank mus
 shape; the caller pads with `CPLayout.shard`. `tag` names the tensor ("layer3/kv_raw") for the
 order guard and for error messages.
 
+`all_to_all(x, splits, tag=...)` sends rows of x to every rank: `splits[i][j]` is the number of
+rows rank i sends to rank j, and every rank passes the same matrix (the send counts of every
+rank, from `split_matrix`: an all_gather of the counts plus one host read). x holds this rank's
+`sum(splits[rank])` rows grouped by destination; the result holds `sum(splits[i][rank] for i)`
+rows grouped by source rank (rank-major). Expert parallelism's dispatch and combine
+(docs/ep.md). Also on the current stream.
+
 Backends: `SingleCPGroup` (cp_size 1, here), `TorchDistCPGroup` (`cp/dist.py`: NCCL on GPU, gloo
 on CPU) and `FakeCPWorld` / `FakeCPGroup` (`cp/fake.py`: every rank a thread of one process).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,8 +35,10 @@ __all__ = [
     "SingleCPGroup",
     "check_cp_size",
     "check_input",
+    "check_splits",
     "check_timeout",
     "gather_global",
+    "split_matrix",
 ]
 
 
@@ -50,6 +60,8 @@ class CPGroup(Protocol):
 
     `capturable`: True when `all_gather` can be captured into a CUDA graph (NCCL, or no
     collective at all). The graph runner puts the gathers of other groups behind eager breaks.
+    `all_to_all` with a fixed split matrix is capturable on the same groups; its split matrix
+    comes from a host read (`split_matrix`), which no capture allows (docs/ep.md).
     """
 
     capturable: bool
@@ -62,6 +74,11 @@ class CPGroup(Protocol):
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
         """x [P, ...] (same shape on every rank) → [cp·P, ...] rank-major, current stream."""
+        ...
+
+    def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        """x [Σ_j splits[rank][j], ...] grouped by destination → [Σ_i splits[i][rank], ...]
+        grouped by source, current stream; `splits` [cp][cp] the same on every rank."""
         ...
 
     def barrier(self) -> None: ...
@@ -85,6 +102,47 @@ def check_input(x: Tensor, tag: str) -> Tensor:
     if x.dim() == 0:
         raise ValueError(f"all_gather {tag!r}: x must have a row dim, got a 0-d tensor")
     return x.contiguous()
+
+
+def check_splits(
+    x: Tensor, splits: Sequence[Sequence[int]], rank: int, cp_size: int, tag: str
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """An all_to_all's split matrix as ints [cp][cp], checked against this rank's x; returns
+    (matrix, what this rank sends to each rank, what it receives from each rank)."""
+    try:
+        matrix = [[int(v) for v in row] for row in splits]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"all_to_all {tag!r}: splits must be a [{cp_size}][{cp_size}] matrix of ints"
+        ) from None
+    if len(matrix) != cp_size or any(len(row) != cp_size for row in matrix):
+        raise ValueError(
+            f"all_to_all {tag!r}: splits must be [{cp_size}][{cp_size}], got "
+            f"{[len(row) for row in matrix]} rows of lengths"
+        )
+    if any(v < 0 for row in matrix for v in row):
+        raise ValueError(f"all_to_all {tag!r}: negative split in {matrix}")
+    send = matrix[rank]
+    recv = [matrix[i][rank] for i in range(cp_size)]
+    if x.shape[0] != sum(send):
+        raise ValueError(
+            f"all_to_all {tag!r}: rank {rank} sends {sum(send)} rows (splits row {send}), "
+            f"x has {x.shape[0]}"
+        )
+    return matrix, send, recv
+
+
+def split_matrix(group: CPGroup, counts: Tensor, *, tag: str) -> list[list[int]]:
+    """Every rank's send counts int64 [cp] (rows for each destination) → the [cp][cp] matrix
+    `all_to_all` takes, the same on every rank: one all_gather and one host read (a sync)."""
+    if counts.dim() != 1 or counts.shape[0] != group.cp_size:
+        raise ValueError(
+            f"split_matrix {tag!r}: counts must be [{group.cp_size}], got {tuple(counts.shape)}"
+        )
+    if group.cp_size == 1:
+        return [[int(counts[0])]]
+    rows = group.all_gather(counts.to(torch.int64).view(1, -1), tag=tag)
+    return [[int(v) for v in row] for row in rows.cpu().tolist()]
 
 
 def check_timeout(timeout_s: float) -> float:
@@ -119,6 +177,11 @@ class SingleCPGroup:
 
     def all_gather(self, x: Tensor, *, tag: str) -> Tensor:
         return check_input(x, tag)
+
+    def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        x = check_input(x, tag)
+        check_splits(x, splits, 0, 1, tag)
+        return x
 
     def barrier(self) -> None:
         return None

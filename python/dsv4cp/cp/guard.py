@@ -31,6 +31,7 @@ __all__ = [
     "debug_cp_enabled",
     "resolve_check_order",
     "split_tag",
+    "splits_crc",
 ]
 
 ENV_VAR = "DSV4CP_DEBUG_CP"
@@ -43,9 +44,10 @@ _TAG_WORDS = 8  # 64 tag bytes travel verbatim (the crc covers the whole tag)
 _OFF_MAGIC, _OFF_SEQ, _OFF_KIND, _OFF_TAG_CRC, _OFF_TAG_LEN = 0, 1, 2, 3, 4
 _OFF_DTYPE, _OFF_NDIM, _OFF_SHAPE_CRC, _OFF_DIMS = 5, 6, 7, 8
 _OFF_TAG = _OFF_DIMS + _MAX_DIMS
-RECORD_LEN = _OFF_TAG + _TAG_WORDS
+_OFF_SPLITS = _OFF_TAG + _TAG_WORDS  # all_to_all: crc of the split matrix (0 otherwise)
+RECORD_LEN = _OFF_SPLITS + 1
 
-_KINDS = ("all_gather", "barrier")
+_KINDS = ("all_gather", "barrier", "all_to_all")
 _DTYPES = (
     torch.float32,
     torch.float16,
@@ -83,6 +85,14 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
+def splits_crc(splits: Sequence[Sequence[int]] | None) -> int:
+    """A crc of an all_to_all split matrix (0 for None): ranks that pass different matrices
+    disagree on it."""
+    if splits is None:
+        return 0
+    return _crc(repr([[int(v) for v in row] for row in splits]))
+
+
 def _dtype_code(dtype: torch.dtype | None) -> int:
     if dtype is None:
         return 0
@@ -112,12 +122,25 @@ class CollectiveRecord:
     dtype: str
     tag_crc: int
     dtype_code: int
+    splits: int = 0  # all_to_all: `splits_crc` of the split matrix
 
     @classmethod
-    def of(cls, seq: int, kind: str, tag: str, x: Tensor | None) -> CollectiveRecord:
-        shape = tuple(int(s) for s in x.shape) if x is not None else ()
+    def of(
+        cls,
+        seq: int,
+        kind: str,
+        tag: str,
+        x: Tensor | None,
+        *,
+        shape: tuple[int, ...] | None = None,
+        splits: int = 0,
+    ) -> CollectiveRecord:
+        """`shape` overrides x's (all_to_all records the rows of every rank, which all ranks
+        agree on, instead of this rank's own)."""
+        if shape is None:
+            shape = tuple(int(s) for s in x.shape) if x is not None else ()
         code = _dtype_code(x.dtype if x is not None else None)
-        return cls(seq, kind, tag, shape, _dtype_name(code), _crc(tag), code)
+        return cls(seq, kind, tag, shape, _dtype_name(code), _crc(tag), code, splits)
 
     def encode(self) -> list[int]:
         out = [0] * RECORD_LEN
@@ -132,6 +155,7 @@ class CollectiveRecord:
         chunk = raw[: 8 * _TAG_WORDS].ljust(8 * _TAG_WORDS, b"\0")
         for i in range(_TAG_WORDS):
             out[_OFF_TAG + i] = int.from_bytes(chunk[8 * i : 8 * i + 8], "little", signed=True)
+        out[_OFF_SPLITS] = self.splits
         return out
 
     @classmethod
@@ -158,6 +182,7 @@ class CollectiveRecord:
             _dtype_name(w[_OFF_DTYPE]),
             w[_OFF_TAG_CRC],
             w[_OFF_DTYPE],
+            w[_OFF_SPLITS],
         )
         return rec
 
@@ -165,16 +190,17 @@ class CollectiveRecord:
         if self.kind == "barrier":
             return "barrier"
         layer, tensor = split_tag(self.tag)
+        splits = f" splits#{self.splits & 0xFFFFFFFF:08x}" if self.kind == "all_to_all" else ""
         return (
             f"{self.kind} {self.tag!r} (layer {layer!r}, tensor {tensor!r}) "
-            f"shape {self.shape} {self.dtype}"
+            f"shape {self.shape} {self.dtype}{splits}"
         )
 
     def _shape_key(self) -> tuple:
-        return (self.kind, self.shape, self.dtype_code)
+        return (self.kind, self.shape, self.dtype_code, self.splits)
 
     def _order_key(self) -> tuple:
-        return (self.seq, self.kind, self.tag_crc, self.shape, self.dtype_code)
+        return (self.seq, self.kind, self.tag_crc, self.shape, self.dtype_code, self.splits)
 
 
 class CPOrderError(RuntimeError):
@@ -205,6 +231,7 @@ def _diff_fields(a: CollectiveRecord, b: CollectiveRecord) -> list[str]:
         ("tag", a.tag_crc, b.tag_crc),
         ("shape", a.shape, b.shape),
         ("dtype", a.dtype_code, b.dtype_code),
+        ("splits", a.splits, b.splits),
     ):
         if x != y:
             out.append(name)
@@ -225,8 +252,16 @@ class OrderGuard:
         self.seq = 0
         self._history.clear()
 
-    def next(self, kind: str, tag: str, x: Tensor | None) -> CollectiveRecord:
-        rec = CollectiveRecord.of(self.seq, kind, tag, x)
+    def next(
+        self,
+        kind: str,
+        tag: str,
+        x: Tensor | None,
+        *,
+        shape: tuple[int, ...] | None = None,
+        splits: int = 0,
+    ) -> CollectiveRecord:
+        rec = CollectiveRecord.of(self.seq, kind, tag, x, shape=shape, splits=splits)
         self.seq += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("[cp rank %d/%d] #%d %s", self.rank, self.cp_size, rec.seq, rec.describe())
@@ -243,7 +278,7 @@ class OrderGuard:
         fields: list[str] = []
         for r in records[1:]:
             for f in _diff_fields(records[0], r):
-                if f not in fields and (check_tags or f in ("kind", "shape", "dtype")):
+                if f not in fields and (check_tags or f in ("kind", "shape", "dtype", "splits")):
                     fields.append(f)
         mine = records[self.rank] if self.rank < len(records) else records[0]
         lines = [
@@ -259,7 +294,12 @@ class OrderGuard:
             lines.append(
                 f"  previous collective on rank {self.rank}: #{prev[-1].seq} {prev[-1].describe()}"
             )
-        if "shape" in fields and "tag" not in fields:
+        if "splits" in fields and "tag" not in fields:
+            lines.append(
+                "Every rank must pass the same all_to_all split matrix (from an all_gather of "
+                "the send counts: cp.group.split_matrix)."
+            )
+        elif "shape" in fields and "tag" not in fields:
             lines.append(
                 "Every rank must pass the same physical rows P (pad with "
                 "CPLayout.shard) and the same trailing dims."

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +153,14 @@ class EagerBreakCPGroup:
 
     def _gather(self, x: Tensor, tag: str) -> Tensor:
         return self.inner.all_gather(x, tag=tag)
+
+    def all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], *, tag: str) -> Tensor:
+        """An eager break too; its output shape is fixed at capture, so only splits that do not
+        change between capture and replay are valid (the MoE refuses EP under capture)."""
+        return eager_break(self._all_to_all, x, splits, tag)
+
+    def _all_to_all(self, x: Tensor, splits: Sequence[Sequence[int]], tag: str) -> Tensor:
+        return self.inner.all_to_all(x, splits, tag=tag)
 
     def barrier(self) -> None:
         self.inner.barrier()

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
+from dsv4cp.cp.group import CPGroup
 from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.layers.engram import Engram
@@ -67,6 +68,7 @@ class DeepseekV41Block(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant: QuantMode,
+        ep: CPGroup | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -78,7 +80,7 @@ class DeepseekV41Block(nn.Module):
         self.attn = DeepseekV41Attention(c, layer, dtype=dtype, device=device, quant=quant)
         self.ffn: MoE | DenseFFN
         if c.n_routed_experts:
-            self.ffn = MoE(c, dtype=dtype, device=device)
+            self.ffn = MoE(c, dtype=dtype, device=device, ep=ep, layer=layer)
         else:
             self.ffn = DenseFFN(d, c.intermediate_size, dtype=dtype, device=device)
         self.hc_attn: HyperConnection | None = None
@@ -119,13 +121,18 @@ class DeepseekV41Block(nn.Module):
 
         return run
 
-    def _ffn(self, x: Tensor) -> Tensor:
-        name = "moe" if isinstance(self.ffn, MoE) else "ffn"
-        with stage(name, layer=self.layer):
-            y = rms_norm(x, self.ffn_norm, self.eps)
-            if isinstance(self.ffn, MoE):
-                return self.ffn(y, quant=self.quant, backend=self.moe_backend)
-            return cast(Tensor, self.ffn(y))
+    def _ffn(self, ctx: ForwardContext) -> Callable[[Tensor], Tensor]:
+        def run(x: Tensor) -> Tensor:
+            name = "moe" if isinstance(self.ffn, MoE) else "ffn"
+            with stage(name, layer=self.layer):
+                y = rms_norm(x, self.ffn_norm, self.eps)
+                if isinstance(self.ffn, MoE):
+                    return self.ffn(
+                        y, quant=self.quant, backend=self.moe_backend, row_ids=ctx.local_ids
+                    )
+                return cast(Tensor, self.ffn(y))
+
+        return run
 
     def forward(
         self,
@@ -143,11 +150,11 @@ class DeepseekV41Block(nn.Module):
                 raise ValueError(f"block {self.layer}: its Engram layer needs hash ids")
             with stage("engram", layer=self.layer):
                 h = self.engram(h, hash_ids[:, self.engram.hash_index], quant=self.quant)
-        attention = self._attention(ctx, executor)
+        attention, ffn = self._attention(ctx, executor), self._ffn(ctx)
         if self.hc_attn is None or self.hc_ffn is None:
             h = h + attention(h)
-            return h + self._ffn(h), None
+            return h + ffn(h), None
         if pre is None:
             raise ValueError(f"block {self.layer}: hyper-connections need the pre handed over")
         h, pre = hc_sublayer(h, pre, self.hc_attn, attention)
-        return hc_sublayer(h, pre, self.hc_ffn, self._ffn)
+        return hc_sublayer(h, pre, self.hc_ffn, ffn)

@@ -16,7 +16,9 @@ Every GEMM goes through ``dsv4cp.ops.linear.linear`` (``quant="qat"``: fp8 activ
 32 with power-of-two scales before the fp4 / fp8 weight, fp32 accumulation, output in x.dtype;
 ``"none"``: the dequantized weight in x.dtype). The routed experts are grouped: token-expert pairs
 are sorted by expert so that each expert's rows are one contiguous slice (``grouped_expert_mlp``).
-All of it is per token, so context parallelism cannot change it.
+All of it is per token, so context parallelism cannot change it. Expert parallelism (docs/ep.md)
+reuses `combine`, and its twins below (`ep_dispatch`, `ep_pack`, `ep_local_experts`,
+`ep_per_token`) give every expert the rows, in the order, that it gets here.
 """
 
 from __future__ import annotations
@@ -314,6 +316,41 @@ def sort_by_expert(routing: Routing, n_experts: int) -> tuple[Tensor, Tensor]:
     return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def routed_per_token(
+    x: Tensor,
+    routing: Routing,
+    experts: tuple[ExpertStack, ExpertStack, ExpertStack],
+    spec: MoeSpec,
+    quant: QuantMode,
+    backend: GroupedBackend = "auto",
+) -> Tensor:
+    """Every token's routed expert outputs x.dtype [T, k, d], slot j = its j-th (ascending)
+    expert, weighted by its routing weight (all experts held here: expert parallelism = 1)."""
+    k = spec.num_experts_per_tok
+    order, counts = sort_by_expert(routing, spec.n_routed_experts)
+    pair_out = grouped_expert_mlp(
+        x[order // k],
+        counts,
+        *experts,
+        route_weight=routing.weights.flatten()[order],
+        swiglu_limit=spec.swiglu_limit,
+        quant=quant,
+        backend=backend,
+    )
+    per_token = torch.empty_like(pair_out)
+    per_token[order] = pair_out
+    return per_token.view(x.shape[0], k, -1)
+
+
+def combine(per_token: Tensor, shared_out: Tensor, dtype: torch.dtype) -> Tensor:
+    """y = Σ_j per_token[:, j] in ascending expert order + the shared expert, in fp32, rounded
+    to `dtype` once (the reference's accumulation; expert parallelism keeps it)."""
+    y = per_token[:, 0].float()
+    for j in range(1, per_token.shape[1]):
+        y = y + per_token[:, j].float()
+    return (y + shared_out.float()).to(dtype)
+
+
 def moe(
     x: Tensor,
     *,
@@ -333,25 +370,127 @@ def moe(
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, d], got {tuple(x.shape)}")
     routing = route(x, gate_weight, gate_bias, spec)
-    k = spec.num_experts_per_tok
-    order, counts = sort_by_expert(routing, spec.n_routed_experts)
-    pair_out = grouped_expert_mlp(
-        x[order // k],
+    per_token = routed_per_token(x, routing, experts, spec, quant, backend)
+    if shared_mlp is None:
+        shared_out = expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant)
+    else:
+        shared_out = shared_mlp(x)
+    return combine(per_token, shared_out, x.dtype)
+
+
+# --- expert parallelism: the tensor work around the exchanges (layers/moe.py runs them) ------
+
+
+class Dispatch(NamedTuple):
+    """An EP dispatch of one rank: ``order`` every flat pair id (t·k + j) grouped by destination
+    rank (token order kept inside a group; pairs of padding rows last, not sent) and ``counts``
+    int64 [ranks]: pairs for each destination."""
+
+    order: Tensor
+    counts: Tensor
+
+
+META_BYTES = 12  # per pair: local expert (int32), routing weight (fp32 bits), global token (int32)
+
+
+def pack_pairs(x_rows: Tensor, local_expert: Tensor, weight: Tensor, token: Tensor) -> Tensor:
+    """One uint8 row per pair: the token's row of x (its dtype's bytes), then META_BYTES of
+    (local expert int32, routing weight fp32, global token id int32). One all_to_all moves it."""
+    meta = torch.stack(
+        [local_expert.to(torch.int32), weight.float().view(torch.int32), token.to(torch.int32)],
+        dim=1,
+    )
+    return torch.cat([x_rows.contiguous().view(torch.uint8), meta.view(torch.uint8)], dim=1)
+
+
+def unpack_pairs(
+    rows: Tensor, dtype: torch.dtype, dim: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`pack_pairs` inverted: (x rows [n, dim] dtype, local expert int64, weight fp32, token
+    int64)."""
+    width = dim * torch.empty((), dtype=dtype).element_size()
+    if rows.dim() != 2 or rows.shape[1] != width + META_BYTES:
+        raise ValueError(f"unpack_pairs: rows must be [n, {width + META_BYTES}] uint8")
+    x = rows[:, :width].contiguous().view(dtype)
+    meta = rows[:, width:].contiguous().view(torch.int32)
+    return x, meta[:, 0].long(), meta[:, 1].view(torch.float32), meta[:, 2].long()
+
+
+def _token_ids(routing: Routing, row_ids: Tensor | None) -> Tensor:
+    t = routing.experts.shape[0]
+    return torch.arange(t, device=routing.experts.device) if row_ids is None else row_ids
+
+
+def ep_dispatch(
+    routing: Routing, row_ids: Tensor | None, n_ranks: int, experts_per_rank: int
+) -> Dispatch:
+    """Where the pairs of this rank's rows go, for expert parallelism over `n_ranks` ranks each
+    holding `experts_per_rank` consecutive experts. Rows with `row_ids` < 0 (CP padding) send
+    nothing. No host sync."""
+    k = routing.experts.shape[1]
+    flat = routing.experts.flatten()
+    valid = (_token_ids(routing, row_ids) >= 0).repeat_interleave(k)
+    dest = torch.where(valid, flat // experts_per_rank, n_ranks)  # n_ranks: not sent
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.zeros(n_ranks + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, dest, torch.ones_like(dest))
+    return Dispatch(order, counts[:n_ranks])
+
+
+def ep_pack(
+    x: Tensor,
+    routing: Routing,
+    row_ids: Tensor | None,
+    pairs: Tensor,
+    experts_per_rank: int,
+) -> Tensor:
+    """The `pack_pairs` rows of `pairs` (the first Σ counts of `Dispatch.order`): x's row, the
+    expert's number on its rank, the routing weight and the global token id (`row_ids`, default
+    the row index), which owners order their rows by, as expert parallelism 1 does."""
+    k = routing.experts.shape[1]
+    return pack_pairs(
+        x[pairs // k],
+        routing.experts.flatten()[pairs] % experts_per_rank,
+        routing.weights.flatten()[pairs],
+        _token_ids(routing, row_ids).repeat_interleave(k)[pairs],
+    )
+
+
+def ep_local_experts(
+    rows: Tensor,
+    dtype: torch.dtype,
+    experts: tuple[ExpertStack, ExpertStack, ExpertStack],
+    spec: MoeSpec,
+    quant: QuantMode,
+    backend: GroupedBackend = "auto",
+) -> Tensor:
+    """The received pairs (`pack_pairs` rows, grouped by source rank) through this rank's
+    experts → outputs x.dtype [n, d] in the received order. Each expert's rows are ordered by
+    global token id, as with every expert on one rank, so each expert's GEMMs see the rows
+    that expert parallelism 1 gives it, in the same order."""
+    n_local = experts[0].weight.shape[0]
+    dim = experts[0].weight.shape[2] * 2
+    x, local, weight, token = unpack_pairs(rows, dtype, dim)
+    order = torch.sort(local * (1 << 32) + token, stable=True).indices
+    counts = torch.zeros(n_local, dtype=torch.int64, device=rows.device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    out_sorted = grouped_expert_mlp(
+        x[order],
         counts,
         *experts,
-        route_weight=routing.weights.flatten()[order],
+        route_weight=weight[order],
         swiglu_limit=spec.swiglu_limit,
         quant=quant,
         backend=backend,
     )
-    per_token = torch.empty_like(pair_out)
-    per_token[order] = pair_out
-    per_token = per_token.view(x.shape[0], k, -1)
-    y = per_token[:, 0].float()
-    for j in range(1, k):  # ascending expert order, as the reference's accumulation
-        y = y + per_token[:, j].float()
-    if shared_mlp is None:
-        y = y + expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant).float()
-    else:
-        y = y + shared_mlp(x).float()
-    return y.to(x.dtype)
+    out = torch.empty_like(out_sorted)
+    out[order] = out_sorted
+    return out
+
+
+def ep_per_token(pair_out: Tensor, pairs: Tensor, t: int, k: int) -> Tensor:
+    """The combined-back pair outputs [n, d] (in dispatch order) → [T, k, d]; pairs not sent
+    (padding rows) are zero."""
+    per_token = pair_out.new_zeros(t * k, pair_out.shape[-1])
+    per_token[pairs] = pair_out
+    return per_token.view(t, k, -1)

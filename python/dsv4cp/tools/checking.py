@@ -4,6 +4,9 @@ The model is the tiny config with the whole V4.1 block (`DeepseekV41Config.tiny_
 small MoE around the attention) with seeded random weights, or a released-format checkpoint
 (`Scenario.checkpoint`, e.g. the tiny reference fixture: Engram included).
 
+With `Scenario.ep` the CP ranks are also the expert-parallel ranks (`model.ep` = the CP group:
+each holds n_routed_experts / N experts, docs/ep.md); CP=1 is then EP=1.
+
 A scenario is a batch of prompts, each with a cached prefix prefilled first and the rest sent in
 chunks; every rank runs the same scenario and rank 0 reports logits, per-layer hidden rows of
 the last chunk, the last top-k per ratio and every cache (by request position, so slot layouts
@@ -43,6 +46,7 @@ class Scenario:
     config: DeepseekV41Config = field(default_factory=DeepseekV41Config.tiny_full)
     checkpoint: str | None = None  # a released-format checkpoint directory (config from it)
     quant: str = "none"
+    ep: bool = False  # expert parallelism over the CP ranks (docs/ep.md)
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None:
@@ -122,14 +126,17 @@ def recording(model: DeepseekV41Model) -> Iterator[LayerRecorder]:
         model.layer_hook = None
 
 
-def build_model(sc: Scenario) -> DeepseekV41Model:
-    """The scenario's model: its checkpoint, else `sc.config` with weights seeded by `sc.seed`."""
+def build_model(sc: Scenario, ep: CPGroup | None = None) -> DeepseekV41Model:
+    """The scenario's model: its checkpoint, else `sc.config` with weights seeded by `sc.seed`;
+    `ep` the expert-parallel group (only this rank's experts are built and loaded)."""
     dtype = getattr(torch, sc.dtype)
     if sc.checkpoint is not None:
         return DeepseekV41Model.from_checkpoint(
-            sc.checkpoint, quant=sc.quant, dtype=dtype, device=sc.device
+            sc.checkpoint, quant=sc.quant, dtype=dtype, device=sc.device, ep=ep
         )
-    return DeepseekV41Model(sc.config, dtype=dtype, device=sc.device, seed=sc.seed, quant=sc.quant)
+    return DeepseekV41Model(
+        sc.config, dtype=dtype, device=sc.device, seed=sc.seed, quant=sc.quant, ep=ep
+    )
 
 
 def run_scenario(
@@ -137,7 +144,7 @@ def run_scenario(
 ) -> dict[str, Tensor]:
     """Run `sc` on this rank; returns CPU tensors keyed by what they are."""
     cp = cp or SingleCPGroup()
-    model = build_model(sc)
+    model = build_model(sc, ep=cp if sc.ep else None)
     total = sum(sc.lens)
     graphs = None
     if sc.graphs:
