@@ -35,6 +35,7 @@ from dsv4cp.ops import (
 )
 
 ENV_FLAG = "DSV4CP_KERNELS"
+OFF_FLAG = "DSV4CP_KERNELS_OFF"
 
 ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits": (ops.mqa_logits, "dsv4cp.kernels.indexer_logits"),
@@ -76,9 +77,20 @@ def kernel_backend_requested() -> bool:
     return value != "torch"
 
 
-def use_kernels(x: Tensor) -> bool:
-    """Whether an op whose first tensor is `x` runs its Triton kernel."""
-    return x.is_cuda and kernel_backend_requested()
+def routes_off() -> frozenset[str]:
+    """The routes DSV4CP_KERNELS_OFF (a comma list of ROUTES names) sends to their ops twins on
+    CUDA: to bisect a GPU mismatch one kernel at a time (docs/performance.md, "GPU numerics")."""
+    names = {n.strip() for n in os.environ.get(OFF_FLAG, "").split(",") if n.strip()}
+    unknown = sorted(names - ROUTES.keys())
+    if unknown:
+        raise ValueError(f"{OFF_FLAG}: unknown routes {unknown}; known: {sorted(ROUTES)}")
+    return frozenset(names)
+
+
+def use_kernels(x: Tensor, name: str | None = None) -> bool:
+    """Whether an op whose first tensor is `x` (the route `name`, if given) runs its Triton
+    kernel."""
+    return x.is_cuda and kernel_backend_requested() and (name is None or name not in routes_off())
 
 
 def kernel_of(name: str) -> Callable[..., Any]:
@@ -93,7 +105,7 @@ def _route(name: str) -> Callable[..., Any]:
     @functools.wraps(op)
     def routed(*args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else kwargs[lead]
-        return (kernel_of(name) if use_kernels(first) else op)(*args, **kwargs)
+        return (kernel_of(name) if use_kernels(first, name) else op)(*args, **kwargs)
 
     return routed
 
@@ -119,6 +131,7 @@ mqa_topk_cached = _route("mqa_topk_cached")
 
 __all__ = [
     "ENV_FLAG",
+    "OFF_FLAG",
     "ROUTES",
     "apply_rope",
     "candidate_blocks",
@@ -142,6 +155,7 @@ __all__ = [
     "rms_norm",
     "rope_index_queries",
     "rope_tail_",
+    "routes_off",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",

@@ -4,6 +4,7 @@ one signature for each kernel and its op."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -127,3 +128,18 @@ def test_shape_limits_name_the_limit() -> None:
             torch.zeros(2, 3, dtype=torch.int32),
             torch.zeros(4),
         )
+
+
+def test_routes_off_sends_named_routes_to_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4CP_KERNELS_OFF names routes that run their ops twin on CUDA (bisecting a mismatch)."""
+    from types import SimpleNamespace
+
+    cuda_like: Any = SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv(routing.ENV_FLAG, raising=False)
+    monkeypatch.setenv(routing.OFF_FLAG, "fp8_linear, sparse_attention_cached")
+    assert routing.routes_off() == {"fp8_linear", "sparse_attention_cached"}
+    assert not routing.use_kernels(cuda_like, "fp8_linear")
+    assert routing.use_kernels(cuda_like, "swa_key") and routing.use_kernels(cuda_like)
+    monkeypatch.setenv(routing.OFF_FLAG, "fp8_linear,no_such_route")
+    with pytest.raises(ValueError, match="no_such_route"):
+        routing.routes_off()
