@@ -109,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
                 quant=args.quant,
                 timeout_s=args.timeout,
             )
-    except (OSError, ValueError, NotImplementedError) as e:  # missing checkpoint/tokenizer/reference, bad file
+    except (
+        OSError,
+        ValueError,
+        NotImplementedError,
+    ) as e:  # missing checkpoint/tokenizer/reference, bad file
         print(f"dsv4cp accuracy: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -136,7 +136,7 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
 
 
 def checkpoint_format(model_path: str | os.PathLike[str]) -> str:
-    """"released" for a released-format DeepSeek-V4.1 directory (`model_type: deepseek_v41`),
+    """ "released" for a released-format DeepSeek-V4.1 directory (`model_type: deepseek_v41`),
     "export" for dsv4cp's own export (`save_pretrained`, `export-tiny`)."""
     cfg = Path(model_path) / "config.json"
     if not cfg.is_file():

@@ -19,6 +19,7 @@ is tested on the GPU) with a stand-in ForwardBatch and no sglang installed:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,8 +46,12 @@ class ServingEngine:
         *,
         multistream: bool | str | MultistreamPolicy | None = None,
         graphs: GraphConfig | None = None,
+        capture_barrier: Callable[[], None] | None = None,
     ) -> None:
+        """`capture_barrier` fences every graph capture across the ranks that share a device
+        (FakeCPGroup threads; default: the barrier of the group being captured)."""
         self.model = model
+        self.capture_barrier = capture_barrier
         self.ratios = sorted({r for r in model.config.layer_ratios if r})
         self.executors = ExecutorFactory.create(
             MultistreamPolicy.from_env() if multistream is None else multistream,
@@ -159,6 +164,6 @@ class ServingEngine:
                 gr.capture(
                     body,
                     lambda b: StaticBatch(b, cfg, cache.req_to_token, self.ratios, cp),
-                    cp.barrier,
+                    self.capture_barrier or cp.barrier,
                 )
         return gr

@@ -155,7 +155,7 @@ class ModelOverrides:
         quant = value.get("dsv4cp_quant")
         if quant is not None and quant not in ("qat", "none"):
             raise Dsv4cpServerArgsError(
-                f"dsv4cp: dsv4cp_quant must be \"qat\" or \"none\", got {quant!r}"
+                f'dsv4cp: dsv4cp_quant must be "qat" or "none", got {quant!r}'
             )
         graphs = value.get("dsv4cp_graphs") or []
         if not isinstance(graphs, list) or not all(
