@@ -97,7 +97,13 @@ def _launch_env() -> dict[str, str]:
 
 class Server:
     def __init__(
-        self, model_path: Path, log_path: Path, *, warmup: bool = True, extra: tuple[str, ...] = ()
+        self,
+        model_path: Path,
+        log_path: Path,
+        *,
+        warmup: bool = True,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         from importlib.metadata import entry_points
 
@@ -119,7 +125,7 @@ class Server:
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=_launch_env(),
+            env={**_launch_env(), **(env or {})},
             start_new_session=True,
         )
 

@@ -270,7 +270,8 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         ),
         (
             (_get(args, "kv_cache_dtype") or "auto") != "auto",
-            "dsv4cp: --kv-cache-dtype does not apply: dsv4cp's cache has the model dtype",
+            "dsv4cp: --kv-cache-dtype does not apply: dsv4cp's caches store the formats of its "
+            "numerics (qat: fp8 SWA rows, fp4 compressed and index keys)",
         ),
         (
             bad_attention is not None,
