@@ -29,6 +29,22 @@ from dsv4cp.observe.timing import StageTimer, use_timer
 Requests = Mapping[Any, Sequence[int]] | Sequence[tuple[Any, Sequence[int]]]
 
 
+def _token_id(rid: object, t: object) -> int:
+    """One token id: an int (Python, numpy or a one-element integer tensor). A float (1.7), a
+    bool or a string ("5") is a ValueError, never truncated or parsed."""
+    if isinstance(t, Tensor):
+        ok = t.numel() == 1 and not t.is_floating_point() and t.dtype != torch.bool
+    else:
+        ok = not isinstance(t, bool) and hasattr(t, "__index__")
+    if not ok:
+        what = f"a tensor {t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
+        raise ValueError(
+            f"prefill: request {rid!r} has token id {what} of type {type(t).__name__}; "
+            "token ids must be ints"
+        )
+    return int(t.item()) if isinstance(t, Tensor) else int(t)  # type: ignore[call-overload]
+
+
 @dataclass
 class PrefillOutput:
     logits: Tensor  # fp32 [R, V]: the last new token of each request
@@ -82,7 +98,9 @@ class PrefillRunner:
         out = []
         vocab = self.model.config.vocab_size
         for rid, toks in items:
-            ids = [int(t) for t in toks]
+            if isinstance(toks, (str, bytes)):
+                raise ValueError(f"prefill: request {rid!r}: token ids must be a sequence of ints")
+            ids = [_token_id(rid, t) for t in toks]
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(

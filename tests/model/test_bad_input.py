@@ -71,7 +71,26 @@ CASES = [
         ValueError,
         "token id 999",
     ),
+    # Reliability probe D12: token ids are never coerced (int(1.7) == 1, int("5") == 5).
+    ("float token ids", lambda r: r.prefill({"b": [1.7, 2.2]}), ValueError, "1.7 of type float"),
+    ("string token ids", lambda r: r.prefill({"b": ["5", "6"]}), ValueError, "'5' of type str"),
+    ("a string as the ids", lambda r: r.prefill({"b": "56"}), ValueError, "sequence of ints"),
+    ("bool token id", lambda r: r.prefill({"b": [True]}), ValueError, "True of type bool"),
+    (
+        "float tensor token id",
+        lambda r: r.prefill({"b": [torch.tensor(1.0)]}),
+        ValueError,
+        "tensor torch.float32",
+    ),
 ]
+
+
+def test_integer_token_ids_of_any_int_type(runner: PrefillRunner) -> None:
+    import numpy as np
+
+    a = runner.prefill({"x": [3, 4, 5]}).logits
+    b = runner.prefill({"y": [np.int64(3), torch.tensor(4), np.int32(5)]}).logits
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name,call,exc,msg", CASES, ids=[c[0] for c in CASES])

@@ -4,8 +4,8 @@ Checks greedy output against dsv4cp's own runner (lengths across the chunked-pre
 radix-cache hit), 32 concurrent requests with shared prefixes against the same requests sent
 alone, malformed requests (4xx, among them the two that killed SGLang 0.5.23's scheduler; the
 server keeps answering identically), `dsv4cp accuracy`, clean shutdown on SIGTERM and SIGINT,
-the same checkpoint typed as upstream DeepSeek-V4.1 (`model_type: deepseek_v41`) served through
-`--model-impl dsv4cp`, and unsupported flags refused at startup in one line.
+and unsupported flags refused at startup in one line (on the released-format fixture with
+`--model-impl dsv4cp`; that checkpoint's serving tests are in test_released.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -98,7 +97,13 @@ def _launch_env() -> dict[str, str]:
 
 class Server:
     def __init__(
-        self, model_path: Path, log_path: Path, *, warmup: bool = True, extra: tuple[str, ...] = ()
+        self,
+        model_path: Path,
+        log_path: Path,
+        *,
+        warmup: bool = True,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         from importlib.metadata import entry_points
 
@@ -120,7 +125,7 @@ class Server:
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=_launch_env(),
+            env={**_launch_env(), **(env or {})},
             start_new_session=True,
         )
 
@@ -348,52 +353,8 @@ def test_shutdown_sigint(checkpoint: Path, tmp_path: Path) -> None:
         srv.kill()
 
 
-# ------------------------------------------------------------ upstream-typed, --model-impl dsv4cp
-@pytest.fixture(scope="module")
-def upstream_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The export, typed as an upstream DeepSeek-V4.1 checkpoint (SGLang's own model would
-    take it without --model-impl dsv4cp; today's dsv4cp model has the export's weights)."""
-    path = tmp_path_factory.mktemp("upstream") / "ckpt"
-    shutil.copytree(checkpoint, path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["model_type"] = "deepseek_v41"
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    return path
-
-
-@pytest.fixture(scope="module")
-def upstream_server(upstream_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    # Radix cache off: SGLang answers input_embeds itself (400) while it is on.
-    srv = Server(
-        upstream_checkpoint,
-        tmp_path_factory.mktemp("logs") / "upstream.log",
-        extra=("--model-impl", "dsv4cp", "--disable-radix-cache"),
-    )
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.kill()
-
-
-def test_model_impl_dsv4cp_serves_an_upstream_typed_checkpoint(
-    upstream_server: Server, reference
-) -> None:
-    prompts = [_ids(9, 2), _ids(150, 1)]  # the long one takes three chunks
-    outs = [_greedy(upstream_server, p, NEW_TOKENS)["output_ids"] for p in prompts]
-    assert outs == reference(prompts, NEW_TOKENS)
-    log = upstream_server.log_path.read_text(errors="replace")
-    assert "type=DeepseekV41ForCausalLM" in log and "dsv4cp: KV cache of" in log
-
-
-def test_input_embeds_is_refused_not_ignored(upstream_server: Server, reference) -> None:
-    before = _greedy(upstream_server, BASELINE_PROMPT, NEW_TOKENS)["output_ids"]
-    assert before == reference([BASELINE_PROMPT], NEW_TOKENS)[0]
-    for embeds in ([[0.5] * 128] * 3, [[0.1] * 5]):  # the model's width and a wrong width
-        body = {"input_embeds": embeds, "sampling_params": {"max_new_tokens": 4}}
-        status, out = _post(upstream_server.url + "/generate", body)
-        assert status == 400 and "input_embeds is not supported" in str(out), (status, out)
-    _still_serving(upstream_server, before)
+# ----------------------------------------------- a released checkpoint, flags refused at startup
+RELEASED = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41-tiny-reference" / "checkpoint"
 
 
 @pytest.mark.parametrize(
@@ -412,6 +373,10 @@ def test_input_embeds_is_refused_not_ignored(upstream_server: Server, reference)
             "dsv4cp: --cp-strategy zigzag is not supported yet; use --cp-strategy interleave",
         ),
         (
+            ("--model-impl", "dsv4cp", "--json-model-override-args", '{"dsv4cp_quant": "fp8"}'),
+            'dsv4cp: dsv4cp_quant must be "qat" or "none", got \'fp8\'',
+        ),
+        (
             ("--model-impl", "dsv4cp", "--tp", "2"),
             "dsv4cp: --tp 2 needs --enable-prefill-cp --cp-strategy interleave: "
             "dsv4cp has no tensor parallelism, its ranks split the prompt tokens (CP)",
@@ -419,10 +384,10 @@ def test_input_embeds_is_refused_not_ignored(upstream_server: Server, reference)
     ],
 )
 def test_unsupported_flags_fail_at_startup_in_one_line(
-    upstream_checkpoint: Path, flags: tuple[str, ...], message: str
+    flags: tuple[str, ...], message: str
 ) -> None:
     res = subprocess.run(
-        _launch_cmd(upstream_checkpoint, _free_port(), *flags),
+        _launch_cmd(RELEASED, _free_port(), *flags),
         capture_output=True,
         text=True,
         timeout=STARTUP_S,

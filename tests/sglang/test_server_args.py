@@ -18,6 +18,7 @@ from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
 from dsv4cp.integrations.sglang.server_args import (
     CPSettings,
     Dsv4cpServerArgsError,
+    ModelOverrides,
     check_server_args,
     cp_settings_from_server_args,
     resolution_declarations,
@@ -178,6 +179,26 @@ def test_flags_that_apply_are_accepted() -> None:
         **CP4,
     )
     assert check_server_args(ok) == CPSettings(4, "interleave")
+
+
+def test_model_override_keys_pick_numerics_and_graphs() -> None:
+    """`--json-model-override-args` carries dsv4cp's own options, nothing else."""
+    ok = '{"dsv4cp_quant": "none", "dsv4cp_graphs": [64, 256], "dsv4cp_graph_max_requests": 4}'
+    check_server_args(_args(json_model_override_args=ok))
+    assert ModelOverrides.parse(ok) == ModelOverrides("none", (64, 256), 4)
+    assert ModelOverrides.parse("{}") == ModelOverrides()
+    hf = SimpleNamespace(dsv4cp_quant="qat")  # what SGLang sets on the model's HF config
+    assert ModelOverrides.of_hf_config(hf) == ModelOverrides("qat")
+    for bad, match in [
+        ('{"dsv4cp_quant": "fp8"}', "dsv4cp_quant must be"),
+        ('{"dsv4cp_graphs": [0]}', "dsv4cp_graphs must be"),
+        ('{"dsv4cp_graphs": 64}', "dsv4cp_graphs must be"),
+        ('{"dsv4cp_graph_max_requests": true}', "dsv4cp_graph_max_requests"),
+        ('{"num_hidden_layers": 2}', "not supported"),
+        ("[1]", "must be an object"),
+    ]:
+        with pytest.raises(Dsv4cpServerArgsError, match=match):
+            check_server_args(_args(json_model_override_args=bad))
 
 
 # ---------------------------------------------------------------------------------- in SGLang

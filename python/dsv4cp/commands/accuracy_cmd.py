@@ -29,7 +29,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="reference dtype (CPU)"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="runner dtype on CPU (auto: bfloat16 for a released-format checkpoint, float32 "
+        "for a dsv4cp export; use the server's --dtype)",
+    )
+    p.add_argument(
+        "--quant",
+        choices=["auto", "qat", "none"],
+        default="auto",
+        help="runner numerics (auto: qat for a checkpoint with a quantization_config, as the "
+        "server's default)",
     )
     p.add_argument(
         "--timeout", type=finite_float(0.0, strict=True), default=300.0, help="seconds per request"
@@ -95,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
                 atol=args.atol,
                 concurrency=args.concurrency,
                 dtype=args.dtype,
+                quant=args.quant,
                 timeout_s=args.timeout,
             )
-    except (OSError, ValueError) as e:  # missing checkpoint/tokenizer/reference, bad file
+    except (
+        OSError,
+        ValueError,
+        NotImplementedError,
+    ) as e:  # missing checkpoint/tokenizer/reference, bad file
         print(f"dsv4cp accuracy: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -135,18 +135,49 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
     return Tokenizer.from_file(str(path))
 
 
-class Reference:
-    """dsv4cp's runner on the checkpoint; one fresh request per prompt, teacher-forced."""
+def checkpoint_format(model_path: str | os.PathLike[str]) -> str:
+    """ "released" for a released-format DeepSeek-V4.1 directory (`model_type: deepseek_v41`),
+    "export" for dsv4cp's own export (`save_pretrained`, `export-tiny`)."""
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"no config.json in {model_path}")
+    with open(cfg) as f:
+        raw = json.load(f)
+    return "released" if raw.get("model_type") == "deepseek_v41" else "export"
 
-    def __init__(self, model_path: str | os.PathLike[str], dtype: str = "float32") -> None:
+
+class Reference:
+    """dsv4cp's runner on the checkpoint; one fresh request per prompt, teacher-forced.
+
+    A released-format checkpoint loads with `from_checkpoint` (`quant` "auto": qat when it has
+    a quantization_config, as the server's default), an export with `from_pretrained`. `dtype`
+    "auto": bfloat16 for a released checkpoint, float32 for an export (the server's `--dtype`)."""
+
+    def __init__(
+        self, model_path: str | os.PathLike[str], dtype: str = "auto", quant: str = "auto"
+    ) -> None:
         import torch
 
+        from dsv4cp.config import DeepseekV41Config
         from dsv4cp.model import DeepseekV41Model
 
         self.torch = torch
-        self.model = DeepseekV41Model.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), device="cpu"
-        )
+        released = checkpoint_format(model_path) == "released"
+        if dtype == "auto":
+            dtype = "bfloat16" if released else "float32"
+        if quant == "auto":
+            quant = "qat" if DeepseekV41Config.from_hf(model_path).quantization else "none"
+        self.dtype, self.quant = dtype, quant
+        if released:
+            self.model = DeepseekV41Model.from_checkpoint(
+                model_path, quant=quant, dtype=getattr(torch, dtype), device="cpu"
+            )
+        else:
+            self.model = DeepseekV41Model.from_pretrained(
+                model_path, dtype=getattr(torch, dtype), device="cpu"
+            )
+            self.model.set_quant(quant)
+        self.context = int(self.model.config.max_position_embeddings)
 
     def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[Tensor, Tensor]:
         """(input log-probs [len-1] of prompt[1:], output log-softmax rows [len(forced), V])."""
@@ -253,7 +284,8 @@ def run_accuracy(
     top_k: int = 5,
     atol: float = 1e-3,
     concurrency: int = 4,
-    dtype: str = "float32",
+    dtype: str = "auto",
+    quant: str = "auto",
     prompts: tuple[str, ...] = PROMPTS,
     timeout_s: float = 300.0,
 ) -> Report:
@@ -262,8 +294,10 @@ def run_accuracy(
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
     tok = load_tokenizer(model_path)
-    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    ref = Reference(model_path, dtype)
+    ref = Reference(model_path, dtype, quant)
+    # Prompts longer than the model's context (a tiny checkpoint's) keep their first tokens.
+    keep = max(1, ref.context - max_new_tokens)
+    ids = [tok.encode(p, add_special_tokens=False).ids[:keep] for p in prompts]
 
     def ask(p: list[int]) -> dict | str:
         try:

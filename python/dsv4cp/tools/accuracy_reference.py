@@ -19,8 +19,8 @@ reference is defined only up to fp8/fp4 code flips and top-k ties (README):
 
 Defaults: turning the reference's quantization off moves its logits by ~16 % rms (0.16 of a 1.0
 logit std) and flips the top-1 token at 20-26 % of positions (README); `min_top1` 0.9 and
-`max_rms` 0.05 nats fail such a model by a wide margin. They are not yet measured against a
-served released-format model (dsv4cp's full model comes in a later wave).
+`max_rms` 0.05 nats fail such a model by a wide margin. Measured against dsv4cp's SGLang server
+on the tiny fixture (bf16, qat): docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -130,6 +130,12 @@ def _agrees(lp: Tensor, token: int, tie: float) -> bool:
     return float(lp.max() - lp[token]) <= tie
 
 
+def _reference_tie(lp: Tensor, tie: float) -> bool:
+    """The reference's best two tokens are within `tie`: its greedy choice is a coin flip."""
+    top = lp.topk(2).values
+    return float(top[0] - top[1]) <= tie
+
+
 def compare_reference(
     answer: dict, ref: ReferenceOutputs, *, top_k: int, tol: ReferenceTolerance
 ) -> ReferenceReport:
@@ -213,8 +219,10 @@ def _compare_greedy(
         if s:  # decode steps: the server's top-k against the reference decode logits
             diffs += [float(v) - float(lp[int(t)]) for v, t, *_ in meta["output_top_logprobs"][s]]
         if tok != want:
-            # A tie may flip; the steps after it continue another text and are not compared.
-            ok = _agrees(lp, tok, tol.tie)
+            # A tie may flip: the server's token within `tie` of the reference's best, or a step
+            # where the reference's own top two are within `tie` (the reference is defined only
+            # up to such ties, README). The steps after it continue another text: not compared.
+            ok = _agrees(lp, tok, tol.tie) or _reference_tie(lp, tol.tie)
             note = f" (step {s}: {'tie' if ok else 'differs'})"
             break
         matched += 1

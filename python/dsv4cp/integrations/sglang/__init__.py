@@ -8,7 +8,8 @@
   `config_parser`: the "dsv4cp" model-config parser for upstream DeepSeek-V4.1 configs;
 - `request_validation`: request checks on top of SGLang's;
 - `model`: the class SGLang's ModelRunner instantiates for `ARCHITECTURE`;
-- `forward_batch`: SGLang ForwardBatch → dsv4cp PrefillBatch + slots.
+- `forward_batch`: SGLang ForwardBatch → dsv4cp PrefillBatch + slots;
+- `engine`: the forward without sglang (caches on SGLang's slots, executors, graphs).
 
 Nothing here imports sglang at package import time.
 """

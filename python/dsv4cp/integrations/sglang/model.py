@@ -6,49 +6,44 @@ SGLang's contract (0.5.23): `cls(config=hf_config, quant_config=...)` under
 SGLang's `LogitsProcessor` (it keeps the last token of each request, or every token when input
 logprobs are asked for, and applies the head).
 
-Caches: SGLang owns token slots (its allocator, radix cache and `req_to_token`); dsv4cp's
-`KVCache` is indexed by the same slots, so `out_cache_loc` is dsv4cp's write slot and SGLang's
-`req_to_token` row (copied as int64) is dsv4cp's position → slot table. SGLang's own KV pool for
-this architecture is allocated (sized by `--max-total-tokens`) but never read or written. The
-dsv4cp cache is built at the first forward, sized from SGLang's pools.
+Weights: a released-format DeepSeek-V4.1 checkpoint (`model_type: deepseek_v41`, served with
+`--model-impl dsv4cp`) loads through dsv4cp's own loader (`loader.load_checkpoint`: fp8 weights
+and their scales, fp4 experts, Engram tables as shard memmaps, the tokenizer's n-gram hasher;
+vision and DSpark skipped by name), straight from the checkpoint directory: SGLang's weight
+iterator is closed unread. A dsv4cp export (`dsv4cp_v41`) loads from SGLang's iterator.
 
-Ratio-2 pair state: every even token leaves its fp32 kv/gate at its slot, so a forward starting
-at an odd position (next chunk, decode, or a radix-cache prefix of odd length shared by another
-request) finds its partner: any `--page-size` works.
+Numerics: `qat` (the reference's fp8/fp4 steps, quantized caches) for a checkpoint with a
+`quantization_config`, else `none`; `--json-model-override-args '{"dsv4cp_quant": "none"}'`
+picks the other mode (server_args.model_overrides).
 
-CP: `DSV4CP_SGLANG_CP=tp` runs dsv4cp's own interleave CP over SGLang's TP group (SGLang gives
-every TP rank the same batch; caches are replicated), extend batches with >= cp tokens only.
-SGLang's own `--enable-prefill-cp` shards model inputs itself and is refused.
-Multistream prepare: `DSV4CP_MULTISTREAM=on|off|auto` (dsv4cp's `MultistreamPolicy` through the
-same `ExecutorFactory` as the runner, CUDA only). Batches here run eagerly, so "auto" turns it on
-from `min_tokens_eager` (8192) local tokens, where eager multistream measured faster.
+Forward: `ServingEngine` (engine.py, no sglang): caches on SGLang's token slots, executors,
+optional graphs. CP: `SGLangCP.from_runtime()` (cp.py) at construction, `group_for(batch)` per
+forward.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dsv4cp.batch import build_metadata
-from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup
-from dsv4cp.executors import ExecutorFactory
+from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.integrations.sglang.cp import SGLangCP
-from dsv4cp.integrations.sglang.forward_batch import (
-    SGLangBatch,
-    from_forward_batch,
-    sync_req_to_token,
+from dsv4cp.integrations.sglang.engine import ServingEngine
+from dsv4cp.integrations.sglang.forward_batch import SGLangBatch, from_forward_batch
+from dsv4cp.integrations.sglang.server_args import (
+    UPSTREAM_MODEL_TYPE,
+    CPSettings,
+    ModelOverrides,
 )
-from dsv4cp.integrations.sglang.server_args import CPSettings, cp_settings_from_server_args
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.ops import rms_norm
-from dsv4cp.policy import MultistreamPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +73,25 @@ def _pools(forward_batch: Any) -> tuple[Any, Tensor]:
     return kv, r2t.req_to_token
 
 
+def slot_count(pool: Any) -> tuple[int, int]:
+    """(slots dsv4cp's cache needs, page size) for SGLang's token pool: its slots are
+    1..size, plus page padding."""
+    page = int(getattr(pool, "page_size", 1) or 1)
+    return int(pool.size) + 2 * page, page
+
+
+def dsv4cp_config_of(hf_config: object) -> DeepseekV41Config:
+    """dsv4cp's config from the HF config SGLang built (hf_config.Dsv4cpConfig)."""
+    raw = getattr(hf_config, "dsv4cp_config", None)
+    if not raw:
+        raise ValueError("dsv4cp: the HF config has no dsv4cp_config (not a dsv4cp checkpoint)")
+    full: dict[str, Any] = {"text_config": dict(raw)}
+    quant = getattr(hf_config, "dsv4cp_quantization_config", None)
+    if quant:
+        full["quantization_config"] = dict(quant)
+    return DeepseekV41Config.from_hf(full)
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(
         self, config: object, quant_config: object = None, prefix: str = "", **_: object
@@ -86,45 +100,65 @@ class DeepseekV41ForCausalLM(nn.Module):
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         if quant_config is not None:
-            raise ValueError("dsv4cp: quantized checkpoints are not supported (QuantMode none)")
-        raw = getattr(config, "dsv4cp_config", None)
-        if not raw:
-            raise ValueError("dsv4cp: the HF config has no dsv4cp_config (not a dsv4cp checkpoint)")
+            raise ValueError(
+                "dsv4cp: SGLang's quantization methods do not apply (dsv4cp reads the "
+                "checkpoint's quantization_config itself)"
+            )
         self.config = config
-        self.dsv4cp_config = DeepseekV41Config.from_hf(dict(raw))
-        self._cp = SGLangCP(CPSettings())  # no CP unless SGLang published its CP flags
-        max_total_tokens, page_size = self._check_server_args()
+        self.dsv4cp_config = dsv4cp_config_of(config)
+        overrides = ModelOverrides.of_hf_config(config)
+        quant = overrides.quant or ("qat" if self.dsv4cp_config.quantization else "none")
+        self.released = getattr(config, "dsv4cp_source_model_type", None) == UPSTREAM_MODEL_TYPE
+        self.checkpoint_dir = Path(str(getattr(config, "_name_or_path", "") or ""))
+        if self.released and not (self.checkpoint_dir / "config.json").is_file():
+            raise ValueError(
+                f"dsv4cp: --model-path {self.checkpoint_dir}: dsv4cp loads a released-format "
+                "checkpoint from a local directory (download it first)"
+            )
+        self.cp = SGLangCP(CPSettings())  # no CP unless SGLang published its CP flags
+        max_total_tokens, page_size, context = self._read_server_args()
         self.dsv4cp = DeepseekV41Model(
             self.dsv4cp_config,
             dtype=torch.get_default_dtype(),
             device=torch.get_default_device(),
             seed=None,
+            quant=quant,
         )
+        graphs = None
+        if overrides.graphs:
+            graphs = GraphConfig(
+                buckets=overrides.graphs,
+                max_requests=overrides.graph_max_requests,
+                max_context=context or 2048,
+            )
+        self.engine = ServingEngine(self.dsv4cp, graphs=graphs)
         # The head is replicated, not vocab-parallel: never all-gather logits over TP.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         self.lm_head = _Head(self.dsv4cp)
-        self.ratios = sorted({r for r in self.dsv4cp_config.layer_ratios if r})
-        self.executors = ExecutorFactory.create(
-            MultistreamPolicy.from_env(),
-            device=self.dsv4cp.device,
-            lanes=self.dsv4cp.prepare_lanes(),
+        logger.info(
+            "dsv4cp: %s checkpoint, quant=%s, dtype=%s, cp=%d, graphs=%s",
+            "released-format" if self.released else "dsv4cp export",
+            quant,
+            self.dsv4cp.dtype,
+            self.cp.settings.size,
+            graphs.buckets if graphs else "off",
         )
         # Allocated now when the slot count is known, so that SGLang's memory profile (taken
         # after loading) counts it before sizing its own pool; else at the first forward.
-        self.cache: KVCache | None = None
         if max_total_tokens:
-            self.cache = self._new_cache(max_total_tokens + 2 * page_size, page_size)
+            self._preallocate(max_total_tokens + 2 * page_size, page_size)
 
     # ------------------------------------------------------------------ setup
-    def _check_server_args(self) -> tuple[int | None, int]:
-        """(max_total_tokens or None, page size) from SGLang's published config; validates."""
+    def _read_server_args(self) -> tuple[int | None, int, int | None]:
+        """(max_total_tokens or None, page size, context length) from SGLang's published
+        config; the CP group from its CP flags."""
         try:
-            from sglang.srt.runtime_context import get_parallel, get_schedule
+            from sglang.srt.runtime_context import get_schedule
 
-            parallel, schedule = get_parallel(), get_schedule()
+            schedule = get_schedule()
         except Exception:  # not published (the class built by hand, outside a server)
-            return None, 1
-        self._cp = SGLangCP(cp_settings_from_server_args(parallel))
+            return None, 1, None
+        self.cp = SGLangCP.from_runtime()
         page_size = getattr(schedule, "page_size", None) or 1
         max_total = getattr(schedule, "max_total_tokens", None)
         if not max_total and torch.get_default_device().type == "cuda":
@@ -132,60 +166,41 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "dsv4cp: pass --max-total-tokens on CUDA: dsv4cp's KV cache is sized from it "
                 "before SGLang gives the rest of the memory to its own (unused) pool"
             )
-        return max_total, page_size
+        context = getattr(self.config, "max_position_embeddings", None)
+        return max_total, page_size, context
 
-    def _new_cache(self, num_slots: int, page_size: int, rows: int = 1, width: int = 1) -> KVCache:
-        m = self.dsv4cp
-        return KVCache(
-            self.dsv4cp_config,
-            num_slots,
-            max_requests=rows,
-            max_context=width,
-            page_size=page_size,
-            device=m.device,
-            dtype=m.dtype,
-        )
-
-    def _cache_for(self, forward_batch: Any) -> tuple[KVCache, Tensor]:
-        pool, r2t = _pools(forward_batch)
-        cache = self.cache
-        if cache is None or cache.req_to_token.shape != r2t.shape:
-            page = int(getattr(pool, "page_size", 1))
-            need = int(pool.size) + 2 * page  # SGLang's slots are 1..size (+ page padding)
-            if cache is None or cache.num_slots < need:
-                if cache is not None:
-                    logger.warning(
-                        "dsv4cp: SGLang's pool holds %d slots, more than the %d "
-                        "allocated; reallocating",
-                        pool.size,
-                        cache.num_slots,
-                    )
-                cache = self.cache = self._new_cache(need, page)
-            # dsv4cp's own int64 position -> slot table, shaped like SGLang's req_to_token.
-            cache.req_to_token = torch.zeros(r2t.shape, dtype=torch.long, device=cache.device)
-            cache.max_requests, cache.max_context = r2t.shape
-            logger.info(
-                "dsv4cp: KV cache of %d slots, %d request rows x %d positions",
-                cache.num_slots,
-                *r2t.shape,
-            )
-        return cache, r2t
+    def _preallocate(self, num_slots: int, page_size: int) -> None:
+        e = self.engine
+        e.cache = e.new_cache(num_slots, page_size, (1, 1))
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        self.dsv4cp.load_state(dict(weights), strict=True)
+        if not self.released:
+            self.dsv4cp.load_state(dict(weights), strict=True)
+            return
+        close = getattr(weights, "close", None)
+        if callable(close):  # SGLang's lazy iterator: nothing read
+            close()
+        from dsv4cp.loader import load_checkpoint
+
+        report = load_checkpoint(self.dsv4cp, self.checkpoint_dir)
+        logger.info(
+            "dsv4cp: loaded %d tensors (%d dequantized, %d Engram tables) in %.1f s",
+            report.loaded,
+            len(report.dequantized),
+            len(report.engram_tables) // 2,
+            report.seconds,
+        )
 
     def get_input_embeddings(self) -> nn.Module:
         return nn.Embedding.from_pretrained(self.dsv4cp.embed, freeze=True)
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(self, batch: SGLangBatch, cache: KVCache, cp: CPGroup) -> Tensor:
+    def hidden_states(self, batch: SGLangBatch, forward_batch: Any, cp: CPGroup) -> Tensor:
         """Global rows [T, d] after the last layer (before the final norm)."""
-        pb = batch.prefill_batch()
-        meta = build_metadata(pb, cache.req_to_token, batch.slots.to(cache.device), self.ratios)
-        ctx = ForwardContext.for_rank(meta, cache, cp)
-        executors = self.executors.choose(ctx.local_rows, graphs=False)
-        return self.dsv4cp.forward(batch.input_ids.to(cache.device), ctx, executors)
+        pool, r2t = _pools(forward_batch)
+        slots, page = slot_count(pool)
+        return self.engine.forward(batch, r2t, cp, num_slots=slots, page=page)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: Any, **_: object) -> Any:
@@ -194,9 +209,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if batch.num_tokens == 0:
             hidden = torch.zeros(0, m.config.hidden_size, dtype=m.dtype, device=m.device)
         else:
-            cache, r2t = self._cache_for(forward_batch)
-            sync_req_to_token(cache.req_to_token, r2t, batch)
-            hidden = self.hidden_states(batch, cache, self._cp.group_for(forward_batch))
+            hidden = self.hidden_states(batch, forward_batch, self.cp.group_for(forward_batch))
         normed = rms_norm(hidden, m.norm, m.config.rms_norm_eps)
         return self.logits_processor(input_ids, normed, self.lm_head, forward_batch)
 

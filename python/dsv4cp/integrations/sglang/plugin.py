@@ -24,7 +24,7 @@ checkpoint launched with `--model-impl dsv4cp`):
    - chat encoding: SGLang picks DeepSeek-V4.1's own chat encoder ("dsv41" recipe) for any
      architecture name containing "DeepseekV41" (`entrypoints/openai/chat_encoding.py`), which
      needs DeepSeek's special tokens at server start; a checkpoint whose tokenizer lacks them
-     (the tiny export) falls back to its HF chat template instead.
+     (the tiny export, the released-format tiny fixture) falls back to its HF chat template instead.
 
 Heavy modules (torch, the model) are imported only when SGLang asks.
 """
@@ -100,7 +100,13 @@ def resolution_overrides(server_args: object, hf_config: object) -> dict:
     return resolution_declarations(server_args)
 
 
-_DEEPSEEK_BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"  # <｜begin▁of▁sentence｜>
+# What DeepSeek's chat recipe encodes with: its special tokens, as added tokens of the tokenizer.
+_DEEPSEEK_CHAT_TOKENS = (
+    "<\uff5cbegin\u2581of\u2581sentence\uff5c>",  # <｜begin▁of▁sentence｜>
+    "<\uff5cSystem\uff5c>",
+    "<\uff5cUser\uff5c>",
+    "<\uff5cAssistant\uff5c>",
+)
 _CHAT_SPEC_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _VALIDATE_TARGET = f"{_TOKENIZER_MANAGER}._validate_one_request"
@@ -208,14 +214,17 @@ def chat_encoding_spec(original, *args: object, **kwargs: object) -> object:
     if (
         spec in ("dsv4", "dsv41")
         and getattr(hf_config, "model_type", None) == MODEL_TYPE
-        and not _has_token(tokenizer, _DEEPSEEK_BOS)
+        and not _has_tokens(tokenizer, _DEEPSEEK_CHAT_TOKENS)
     ):
         return None
     return spec
 
 
-def _has_token(tokenizer: object, token: str) -> bool:
+def _has_tokens(tokenizer: object, tokens: tuple[str, ...]) -> bool:
+    """Whether every token is an added (special) token of the tokenizer: the recipe encodes
+    them from the added vocabulary only (a word-level vocabulary entry does not count)."""
     try:
-        return token in tokenizer.get_vocab()
+        added = tokenizer.get_added_vocab()
     except Exception:
         return False
+    return all(t in added for t in tokens)

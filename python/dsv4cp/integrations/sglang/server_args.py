@@ -27,6 +27,7 @@ __all__ = [
     "UPSTREAM_MODEL_TYPE",
     "CPSettings",
     "Dsv4cpServerArgsError",
+    "ModelOverrides",
     "check_server_args",
     "cp_settings_from_server_args",
     "resolution_declarations",
@@ -111,13 +112,79 @@ def _cuda(args: Any) -> bool:
     return torch.cuda.is_available()
 
 
-def _overrides_given(value: object) -> bool:
-    if not isinstance(value, str):
-        return bool(value)
+@dataclass(frozen=True)
+class ModelOverrides:
+    """dsv4cp's serving options, given as `--json-model-override-args` keys (SGLang sets them
+    on the HF config the model class receives); any other key is refused:
+
+    - `dsv4cp_quant`: "qat" | "none" (default: qat for a checkpoint with a quantization_config);
+    - `dsv4cp_graphs`: token buckets of breakable CUDA graphs (CUDA; default: eager only);
+    - `dsv4cp_graph_max_requests`: requests per captured batch (default 8).
+    """
+
+    quant: str | None = None
+    graphs: tuple[int, ...] = ()
+    graph_max_requests: int = 8
+
+    KEYS = ("dsv4cp_quant", "dsv4cp_graphs", "dsv4cp_graph_max_requests")
+
+    @classmethod
+    def parse(cls, value: object) -> ModelOverrides:
+        """From `--json-model-override-args` (a JSON string or a dict); one-line errors."""
+        if value is None or value == "":
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise Dsv4cpServerArgsError(
+                    "dsv4cp: --json-model-override-args is not valid JSON"
+                ) from None
+        if not isinstance(value, dict):
+            raise Dsv4cpServerArgsError("dsv4cp: --json-model-override-args must be an object")
+        unknown = sorted(set(value) - set(cls.KEYS))
+        if unknown:
+            raise Dsv4cpServerArgsError(
+                f"dsv4cp: --json-model-override-args key(s) {unknown} not supported (only "
+                f"{list(cls.KEYS)}); edit the checkpoint's config.json"
+            )
+        return cls.of_mapping(value)
+
+    @classmethod
+    def of_mapping(cls, value: dict[str, Any]) -> ModelOverrides:
+        quant = value.get("dsv4cp_quant")
+        if quant is not None and quant not in ("qat", "none"):
+            raise Dsv4cpServerArgsError(
+                f'dsv4cp: dsv4cp_quant must be "qat" or "none", got {quant!r}'
+            )
+        graphs = value.get("dsv4cp_graphs") or []
+        if not isinstance(graphs, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in graphs
+        ):
+            raise Dsv4cpServerArgsError(
+                f"dsv4cp: dsv4cp_graphs must be a list of positive token counts, got {graphs!r}"
+            )
+        reqs = value.get("dsv4cp_graph_max_requests", 8)
+        if isinstance(reqs, bool) or not isinstance(reqs, int) or reqs < 1:
+            raise Dsv4cpServerArgsError(
+                f"dsv4cp: dsv4cp_graph_max_requests must be a positive int, got {reqs!r}"
+            )
+        return cls(quant, tuple(graphs), reqs)
+
+    @classmethod
+    def of_hf_config(cls, hf_config: object) -> ModelOverrides:
+        """The keys SGLang set on the model's HF config (attributes)."""
+        return cls.of_mapping(
+            {k: getattr(hf_config, k) for k in cls.KEYS if getattr(hf_config, k, None) is not None}
+        )
+
+
+def _bad_overrides(value: object) -> str | None:
     try:
-        return bool(json.loads(value))
-    except ValueError:
-        return True  # refused as given; SGLang would reject the JSON anyway
+        ModelOverrides.parse(value)
+    except Dsv4cpServerArgsError as e:
+        return str(e)
+    return None
 
 
 def _refusals(args: Any) -> list[tuple[bool, str]]:
@@ -138,6 +205,7 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         (f"{f} {v}" for f, v in attention.items() if v not in (None, ATTENTION_BACKEND)), None
     )
     device = _get(args, "device")
+    bad_overrides = _bad_overrides(_get(args, "json_model_override_args"))
     return [
         (
             device is not None and str(device).split(":")[0] not in ("cpu", "cuda"),
@@ -202,7 +270,8 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         ),
         (
             (_get(args, "kv_cache_dtype") or "auto") != "auto",
-            "dsv4cp: --kv-cache-dtype does not apply: dsv4cp's cache has the model dtype",
+            "dsv4cp: --kv-cache-dtype does not apply: dsv4cp's caches store the formats of its "
+            "numerics (qat: fp8 SWA rows, fp4 compressed and index keys)",
         ),
         (
             bad_attention is not None,
@@ -228,9 +297,8 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         ),
         (bool(_get(args, "enable_hisparse", False)), "dsv4cp: --enable-hisparse is not supported"),
         (
-            _overrides_given(_get(args, "json_model_override_args")),
-            "dsv4cp: --json-model-override-args is not supported; edit the checkpoint's "
-            "config.json",
+            bad_overrides is not None,
+            str(bad_overrides),
         ),
         (
             _get(args, "max_total_tokens") is None and _cuda(args),
