@@ -201,3 +201,18 @@ def test_cli_rejects_bad_numbers(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["accuracy", "--base-url", "http://x", "--model-path", ".", *argv])
     assert e.value.code == 2
+
+
+def test_decode_rms_is_reported_and_judged_only_when_asked(ref: ReferenceOutputs) -> None:
+    """The fixture's decode logits are the reference's decode path (README: report, not match):
+    a decode-only offset shows in the table but fails the verdict only with judge_decode."""
+    ans = _faithful_answer(ref)
+    for rows in ans["meta_info"]["output_top_logprobs"][1:]:
+        for e in rows:
+            e[0] += 0.2
+    report = compare_reference(ans, ref, top_k=TOP_K, tol=ReferenceTolerance())
+    (decode,) = [c for c in report.checks if c.name == "decode top-k logprob rms"]
+    assert not decode.passed and not decode.judged and report.passed
+    assert "reported" in report.table()
+    judged = compare_reference(ans, ref, top_k=TOP_K, tol=ReferenceTolerance(judge_decode=True))
+    assert not judged.passed

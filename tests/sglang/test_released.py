@@ -144,7 +144,7 @@ def test_accuracy_against_reference_and_runner(bf16_server: Server) -> None:
         text=True,
         timeout=300,
     )
-    assert res.returncode in (0, 1), res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     checks = {c["name"]: c for c in report["reference"]["checks"]}
     print(json.dumps(checks, indent=1))  # the measured numbers (docs/sglang.md)
@@ -157,8 +157,10 @@ def test_accuracy_against_reference_and_runner(bf16_server: Server) -> None:
         "greedy tokens",
     ):
         assert checks[name]["passed"], checks[name]
-    # Not asserted: "decode top-k logprob rms" (0.23 nats measured: dsv4cp's model, runner and
-    # server alike, differs from the reference's decode at position 62; docs/sglang.md).
+    # "decode top-k logprob rms" is reported, not judged (0.23 nats measured: dsv4cp's model,
+    # runner and server alike, differs from the reference's decode at position 62; docs/sglang.md).
+    assert not checks["decode top-k logprob rms"]["judged"]
+    assert report["reference"]["passed"], res.stdout
     assert report["runner"]["passed"], res.stdout
 
 

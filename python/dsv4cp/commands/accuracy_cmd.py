@@ -69,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="reference: max rms of (server - reference) logprobs, nats",
     )
     p.add_argument(
+        "--ref-judge-decode",
+        action="store_true",
+        help="reference: fail when the decode steps' top-k rms exceeds --ref-max-rms (default: "
+        "reported only; the fixture's decode logits are the reference's decode path)",
+    )
+    p.add_argument(
         "--ref-tie",
         type=finite_float(0.0, strict=False),
         default=0.05,
@@ -89,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
         if args.reference:
             from dsv4cp.tools.accuracy_reference import ReferenceTolerance, run_reference
 
-            tol = ReferenceTolerance(args.ref_min_top1, args.ref_max_rms, args.ref_tie)
+            tol = ReferenceTolerance(
+                args.ref_min_top1, args.ref_max_rms, args.ref_tie, args.ref_judge_decode
+            )
             reports["reference"] = run_reference(
                 args.base_url,
                 args.reference,

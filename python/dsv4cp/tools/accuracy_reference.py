@@ -15,7 +15,10 @@ reference is defined only up to fp8/fp4 code flips and top-k ties (README):
 - prefill logprobs: rms over positions and the server's top-k tokens of (server − reference)
   log-probability <= `max_rms`; the same for the prompt tokens' own log-probabilities;
 - greedy tokens: the N tokens equal `decoded_ids` (a step whose reference top two are within
-  `tie` may differ; the steps after it are then not compared); decode top-k rms <= `max_rms`.
+  `tie` may differ; the steps after it are then not compared);
+- decode top-k rms against `decode_logits`: reported, judged (<= `max_rms`) only with
+  `judge_decode`: the README calls those logits the reference's decode path, "to report, not to
+  match" (on the fixture one of its three steps is 0.47 nats from dsv4cp's, the others 0.02-0.06).
 
 Defaults: turning the reference's quantization off moves its logits by ~16 % rms (0.16 of a 1.0
 logit std) and flips the top-1 token at 20-26 % of positions (README); `min_top1` 0.9 and
@@ -42,6 +45,9 @@ class ReferenceTolerance:
     min_top1: float = 0.9
     max_rms: float = 0.05
     tie: float = 0.05
+    # The fixture's decode logits are the reference's decode path, "to report, not to match"
+    # (README): judged only when asked.
+    judge_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("min_top1", "max_rms", "tie"):
@@ -95,6 +101,7 @@ class Check:
     value: str
     limit: str
     passed: bool
+    judged: bool = True  # False: reported beside the verdict, not part of it
 
 
 @dataclass
@@ -103,19 +110,20 @@ class ReferenceReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(c.passed for c in self.checks)
+        judged = [c for c in self.checks if c.judged]
+        return bool(judged) and all(c.passed for c in judged)
 
     def table(self) -> str:
         head = f"{'reference check':<34} {'value':>22} {'limit':>10}  result"
         lines = [head, "-" * len(head)]
         lines += [
-            f"{c.name:<34} {c.value:>22} {c.limit:>10}  {'PASS' if c.passed else 'FAIL'}"
+            f"{c.name:<34} {c.value:>22} {c.limit:>10}  "
+            + (("PASS" if c.passed else "FAIL") if c.judged else "reported")
             for c in self.checks
         ]
-        n_ok = sum(c.passed for c in self.checks)
-        lines.append(
-            f"{'PASS' if self.passed else 'FAIL'}: {n_ok}/{len(self.checks)} reference checks"
-        )
+        judged = [c for c in self.checks if c.judged]
+        n_ok = sum(c.passed for c in judged)
+        lines.append(f"{'PASS' if self.passed else 'FAIL'}: {n_ok}/{len(judged)} reference checks")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -229,7 +237,13 @@ def _compare_greedy(
     report.checks.append(Check("greedy tokens", f"{matched}/{len(ref.decoded)}{note}", "equal", ok))
     rms = _rms(diffs)
     report.checks.append(
-        Check("decode top-k logprob rms", f"{rms:.3e}", f"<= {tol.max_rms:g}", rms <= tol.max_rms)
+        Check(
+            "decode top-k logprob rms",
+            f"{rms:.3e}",
+            f"<= {tol.max_rms:g}",
+            rms <= tol.max_rms,
+            judged=tol.judge_decode,
+        )
     )
 
 
