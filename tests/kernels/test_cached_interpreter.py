@@ -17,16 +17,12 @@ As in test_interpreter.py, the cases run in one child process started with TRITO
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
+
 CASES = [
     "attention_decodes_every_code_exactly",
     "attention_matches_twin",
@@ -38,16 +34,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python"))
-    env.pop("DSV4CP_KERNELS", None)
-    proc = subprocess.run(
-        [sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, (
-        f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    )
-    return json.loads(lines[-1])
+    return run_interpreter_cases(__file__, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -224,12 +211,4 @@ def _cases():  # noqa: C901 - one namespace of small check functions
 
 
 if __name__ == "__main__":
-    cases = _cases()
-    report = {}
-    for name in sys.argv[1:]:
-        try:
-            cases[name]()
-            report[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the parent
-            report[name] = traceback.format_exc()[-2000:]
-    print(json.dumps(report))
+    report_cases(_cases(), sys.argv[1:])

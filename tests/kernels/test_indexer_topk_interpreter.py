@@ -14,16 +14,12 @@ row blocks holding two requests (two k_start values).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
+
 CASES = (
     "full_one_piece",
     "full_pieces_and_cuts",
@@ -39,16 +35,7 @@ CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and 
 
 @pytest.fixture(scope="module")
 def child_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python"))
-    env.pop("DSV4CP_KERNELS", None)
-    proc = subprocess.run(
-        [sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=900
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, (
-        f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    )
-    return json.loads(lines[-1])
+    return run_interpreter_cases(__file__, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -211,17 +198,5 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
     return {name: fn for name, fn in locals().items() if name in CASES}
 
 
-def _main(names: list[str]) -> None:
-    cases = _cases()
-    results = {}
-    for name in names:
-        try:
-            cases[name]()  # type: ignore[operator]
-            results[name] = "ok"
-        except Exception:  # report every case, not only the first failure
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1:])
+    report_cases(_cases(), sys.argv[1:])

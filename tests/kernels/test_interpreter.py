@@ -12,16 +12,12 @@ the interpreter reproduces the ops twins to fp32 rounding (dot kernels) or bitwi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
+
 FAST = [
     "mqa_fp32_odd_rows",
     "mqa_bf16",
@@ -47,16 +43,7 @@ SLOW = ["topk_ties_wide", "attention_real_dims"]
 
 
 def _run_child(cases: list[str]) -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python"))
-    env.pop("DSV4CP_KERNELS", None)
-    proc = subprocess.run(
-        [sys.executable, __file__, *cases], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr[-4000:]
-        raise AssertionError(f"interpreter child failed ({proc.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+    return run_interpreter_cases(__file__, cases, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -436,17 +423,5 @@ def _cases():  # noqa: C901 - one namespace of small check functions
     return {name: fn for name, fn in locals().items() if name in FAST + SLOW}
 
 
-def _main(names: list[str]) -> None:
-    cases = _cases()
-    results = {}
-    for name in names:
-        try:
-            cases[name]()
-            results[name] = "ok"
-        except Exception:  # report every case, not only the first failure
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1:])
+    report_cases(_cases(), sys.argv[1:])
