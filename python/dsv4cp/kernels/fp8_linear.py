@@ -9,9 +9,10 @@ DeepSeek-V4.1 `inference/kernel.py`) does.
 
 Numerics against the twin: quantization is bit-exact (the e4m3 rounding is done in fp32 on the
 bits, the cast only stores exact values). The k-step multiplies the fp8 values as bf16 (exact)
-with fp32 accumulation: on the H200 an fp8 MMA step left partial sums an output ulp away from the
-twin's often enough that the tiny fixture's blocks stopped matching DeepSeek's reference
-(2026-12-03: 2–8 % of tokens within 2 bf16 ulps, against 98 % with the twin on the same GPU).
+with fp32 accumulation. Measured on the H200 (2026-12-03): with an fp8 MMA step, this kernel alone
+made the tiny fixture's blocks stop matching DeepSeek's reference (1.6 % of a block's tokens
+within 2 bf16 ulps, against 98 % with the twin on the same GPU); the suspected cause is Hopper's
+reduced fp8 accumulation precision. The bf16 step is not yet measured on a GPU.
 The scaling (powers of two) and the ordered fp32 accumulation are the same. The tile is written
 in fp32 and cast to the output dtype by torch (round to nearest even, also under the CPU
 interpreter).
@@ -142,9 +143,9 @@ def _fp8_gemm_kernel(
         if UPCAST:  # the CPU interpreter: fp32 products of the fp8 values
             partial = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
-            # fp8 values are exact in bf16, and bf16 products sum in fp32; Hopper's fp8 MMA keeps
-            # fewer accumulator bits (the partial sums drift from the reference's fp32 by an
-            # output ulp, measured on the H200), so the k-step runs as a bf16 MMA.
+            # fp8 values are exact in bf16, and bf16 products sum in fp32; an fp8 MMA step broke
+            # the reference agreement on the H200 (suspected: Hopper's fp8 accumulation), so the
+            # k-step runs as a bf16 MMA (module docstring).
             partial = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), out_dtype=tl.float32)
         sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
         sb = tl.load(bs_ptrs, mask=n_ok, other=0.0)
