@@ -17,8 +17,12 @@ $(VENV)/.installed: pyproject.toml
 
 install-sglang: $(SGL_VENV)/.installed
 
-$(SGL_VENV)/.installed: pyproject.toml
+# The sglang venv sees the core venv's packages through a .pth file (appended after its own
+# site-packages), so torch, triton and the CUDA wheels (~5 GB) are installed once, not twice;
+# what sglang pins differently is installed into .venv-sglang and shadows the core copy.
+$(SGL_VENV)/.installed: pyproject.toml $(VENV)/.installed
 	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "dsv4cp_core_venv.pth").write_text(sys.argv[1] + "\n")' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(SGL_PY) -m pip install -q --upgrade pip
 	$(SGL_PY) -m pip install -q -e '.[dev,sglang]'
 	touch $@
