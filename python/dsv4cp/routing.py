@@ -45,15 +45,15 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
     # FlashMLA over a chunk-bounded bf16 workspace where it fits, else the Triton cached kernel.
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),
-    "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
-    "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
+    "swa_key": (ops.swa_key, "dsv4cp.kernels.swa"),
+    "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.swa"),
     "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
     "compressed_latent": (ops.compressed_latent, "dsv4cp.kernels.compressor"),
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
     "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
-    "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.norm_rope"),
+    "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.rope"),
     # the q tail and the attention output's inverse: one pass over the tail, in place
-    "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.norm_rope"),
+    "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
 }
 
