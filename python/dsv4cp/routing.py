@@ -71,16 +71,28 @@ ROUTES.update(
 
 def kernel_backend_requested() -> bool:
     """False when DSV4CP_KERNELS=torch forces the ops twins."""
-    value = os.environ.get(ENV_FLAG, "triton").strip().lower()
-    if value not in ("triton", "torch", ""):
-        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
-    return value != "torch"
+    return _parse_backend(os.environ.get(ENV_FLAG, "triton"))
 
 
 def routes_off() -> frozenset[str]:
     """The routes DSV4CP_KERNELS_OFF (a comma list of ROUTES names) sends to their ops twins on
     CUDA: to bisect a GPU mismatch one kernel at a time (docs/performance.md, "GPU numerics")."""
-    names = {n.strip() for n in os.environ.get(OFF_FLAG, "").split(",") if n.strip()}
+    return _parse_routes_off(os.environ.get(OFF_FLAG, ""))
+
+
+# Every routed call reads both flags: each raw value is parsed once (a changed value is a new key;
+# a bad one raises on every call, since lru_cache keeps no exceptions).
+@functools.lru_cache(maxsize=32)
+def _parse_backend(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("triton", "torch", ""):
+        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
+    return value != "torch"
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_routes_off(raw: str) -> frozenset[str]:
+    names = {n.strip() for n in raw.split(",") if n.strip()}
     unknown = sorted(names - ROUTES.keys())
     if unknown:
         raise ValueError(f"{OFF_FLAG}: unknown routes {unknown}; known: {sorted(ROUTES)}")
