@@ -30,7 +30,8 @@ from dsv4cp.kernels.attention import attention_flops  # noqa: E402
 from dsv4cp.kernels.attention import launch_sparse_attention as attn_kernel  # noqa: E402
 from dsv4cp.kernels.compressor import compress_store, index_key  # noqa: E402
 from dsv4cp.kernels.indexer_logits import launch_mqa_logits as mqa_kernel  # noqa: E402
-from dsv4cp.kernels.norm_rope import norm_rope_rows, store_swa_k  # noqa: E402
+from dsv4cp.kernels.norm_rope import norm_rope_rows  # noqa: E402
+from dsv4cp.kernels.swa import store_swa_k  # noqa: E402
 from dsv4cp.kernels.topk import launch_topk as topk_kernel  # noqa: E402
 from dsv4cp.ops.rope import YarnScaling  # noqa: E402
 

@@ -39,7 +39,7 @@ from dsv4cp.ops.engram import RowSource
 from dsv4cp.ops.engram_hash import NgramHasher
 from dsv4cp.ops.finite import check_finite, finite_check_requested
 from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand_embedding, identity_pre
-from dsv4cp.ops.moe import GroupedBackend
+from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.random_weights import init_random_
 from dsv4cp.schedule import PrepareState, lanes_of

@@ -45,15 +45,15 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
     # FlashMLA over a chunk-bounded bf16 workspace where it fits, else the Triton cached kernel.
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),
-    "swa_key": (ops.swa_key, "dsv4cp.kernels.norm_rope"),
-    "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.norm_rope"),
+    "swa_key": (ops.swa_key, "dsv4cp.kernels.swa"),
+    "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.swa"),
     "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
     "compressed_latent": (ops.compressed_latent, "dsv4cp.kernels.compressor"),
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
     "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
-    "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.norm_rope"),
+    "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.rope"),
     # the q tail and the attention output's inverse: one pass over the tail, in place
-    "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.norm_rope"),
+    "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
 }
 
@@ -71,16 +71,28 @@ ROUTES.update(
 
 def kernel_backend_requested() -> bool:
     """False when DSV4CP_KERNELS=torch forces the ops twins."""
-    value = os.environ.get(ENV_FLAG, "triton").strip().lower()
-    if value not in ("triton", "torch", ""):
-        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
-    return value != "torch"
+    return _parse_backend(os.environ.get(ENV_FLAG, "triton"))
 
 
 def routes_off() -> frozenset[str]:
     """The routes DSV4CP_KERNELS_OFF (a comma list of ROUTES names) sends to their ops twins on
     CUDA: to bisect a GPU mismatch one kernel at a time (docs/performance.md, "GPU numerics")."""
-    names = {n.strip() for n in os.environ.get(OFF_FLAG, "").split(",") if n.strip()}
+    return _parse_routes_off(os.environ.get(OFF_FLAG, ""))
+
+
+# Every routed call reads both flags: each raw value is parsed once (a changed value is a new key;
+# a bad one raises on every call, since lru_cache keeps no exceptions).
+@functools.lru_cache(maxsize=32)
+def _parse_backend(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("triton", "torch", ""):
+        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
+    return value != "torch"
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_routes_off(raw: str) -> frozenset[str]:
+    names = {n.strip() for n in raw.split(",") if n.strip()}
     unknown = sorted(names - ROUTES.keys())
     if unknown:
         raise ValueError(f"{OFF_FLAG}: unknown routes {unknown}; known: {sorted(ROUTES)}")

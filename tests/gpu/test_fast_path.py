@@ -174,7 +174,7 @@ def test_rope_tail_kernel_matches_the_op(inverse: bool) -> None:
     positions: within one bf16 ulp of the op (cos/sin of the fp64-reduced angle), the head of
     each row untouched."""
     from dsv4cp.config import DeepseekV41Config
-    from dsv4cp.kernels.norm_rope import rope_tail_
+    from dsv4cp.kernels.rope import rope_tail_
 
     cfg = DeepseekV41Config.flash()
     theta, yarn = cfg.compress_rope(4)

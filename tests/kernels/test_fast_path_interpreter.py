@@ -201,7 +201,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             equal(got, ref, f"{quant} ties, gather")
 
     def rope_tail_in_place():
-        from dsv4cp.kernels.norm_rope import rope_tail_
+        from dsv4cp.kernels.rope import rope_tail_
         from dsv4cp.rope_scaling import YarnScaling
 
         yarn = YarnScaling(factor=16.0, original_max_position=4096, beta_fast=32, beta_slow=1)

@@ -61,6 +61,7 @@ SCAN_TYPES += ["i32"] * 12
 )
 def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool) -> None:
     from dsv4cp.kernels import indexer_topk as m
+    from dsv4cp.kernels.indexer_topk_scan import scan_kernel
 
     block_t, block_n, warps, stages = m.DEFAULT_CONFIG
     const = dict(
@@ -68,31 +69,32 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
         BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
         STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
     )  # fmt: skip
-    ptx = _compile(m._scan_kernel, SCAN_TYPES, const, warps, stages)
+    ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
     assert "wgmma.mma_async" in ptx
 
 
 @pytest.mark.parametrize("qat", [False, True])
 def test_gather_kernel_compiles_for_sm90(qat: bool) -> None:
-    from dsv4cp.kernels import indexer_topk as m
+    from dsv4cp.kernels.indexer_topk_gather import gather_kernel
 
     types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
     const = dict(
         K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
         UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
     )  # fmt: skip
-    ptx = _compile(m._gather_kernel, types, const, 4, 2)
+    ptx = _compile(gather_kernel, types, const, 4, 2)
     assert "mma" in ptx  # all 32 heads of a row in one tensor-core product
 
 
 def test_merge_and_member_kernels_compile_for_sm90() -> None:
-    from dsv4cp.kernels import indexer_topk as m
+    from dsv4cp.kernels.indexer_topk_merge import merge_kernel
+    from dsv4cp.kernels.indexer_topk_scan import member_kernel
 
     const = dict(K=512, K_PAD=512, P_PAD=16, CAP=1024, PREFIX=True)
     _compile(
-        m._merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
+        merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
     )
-    _compile(m._member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
+    _compile(member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
 
 
 @pytest.mark.parametrize("fmt", [1, 2, 3])

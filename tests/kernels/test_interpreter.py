@@ -79,7 +79,8 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         pair_pool,
     )
     from dsv4cp.kernels.indexer_logits import launch_mqa_logits
-    from dsv4cp.kernels.norm_rope import rope_index_queries, store_swa_k, swa_key
+    from dsv4cp.kernels.rope import rope_index_queries
+    from dsv4cp.kernels.swa import store_swa_k, swa_key
     from dsv4cp.kernels.topk import launch_topk, topk_indices
     from dsv4cp.ops.attention_quant import fake_quant_index_fp4
     from dsv4cp.ops.rope import YarnScaling

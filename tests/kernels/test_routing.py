@@ -143,3 +143,45 @@ def test_routes_off_sends_named_routes_to_their_twins(monkeypatch: pytest.Monkey
     monkeypatch.setenv(routing.OFF_FLAG, "fp8_linear,no_such_route")
     with pytest.raises(ValueError, match="no_such_route"):
         routing.routes_off()
+
+
+def test_flags_are_parsed_once_per_value_and_a_changed_value_takes_effect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both flags are read on every routed call but parsed once per raw value: a repeated value
+    is a cache hit, a changed one (a test's monkeypatch, say) is seen at the next call."""
+    from types import SimpleNamespace
+
+    cuda_like: Any = SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv(routing.ENV_FLAG, raising=False)
+    monkeypatch.setenv(routing.OFF_FLAG, "swa_key")
+    assert routing.routes_off() == {"swa_key"}
+    hits = routing._parse_routes_off.cache_info().hits
+    assert routing.routes_off() == {"swa_key"}
+    assert routing._parse_routes_off.cache_info().hits == hits + 1
+    assert not routing.use_kernels(cuda_like, "swa_key")
+    assert routing.use_kernels(cuda_like, "fp8_linear")
+    monkeypatch.setenv(routing.OFF_FLAG, "fp8_linear")
+    assert routing.routes_off() == {"fp8_linear"}
+    assert routing.use_kernels(cuda_like, "swa_key")
+    assert not routing.use_kernels(cuda_like, "fp8_linear")
+    monkeypatch.delenv(routing.OFF_FLAG)
+    assert routing.routes_off() == frozenset()
+    assert routing.use_kernels(cuda_like, "fp8_linear")
+
+    monkeypatch.setenv(routing.ENV_FLAG, "torch")
+    assert not routing.use_kernels(cuda_like, "fp8_linear")
+    hits = routing._parse_backend.cache_info().hits
+    assert not routing.kernel_backend_requested()
+    assert routing._parse_backend.cache_info().hits == hits + 1
+    monkeypatch.setenv(routing.ENV_FLAG, "Triton ")
+    assert routing.use_kernels(cuda_like, "fp8_linear")
+    for _ in range(2):  # a bad value raises on every call, not only the first
+        monkeypatch.setenv(routing.ENV_FLAG, "cuda")
+        with pytest.raises(ValueError, match="DSV4CP_KERNELS must be"):
+            routing.use_kernels(cuda_like)
+        monkeypatch.setenv(routing.OFF_FLAG, "nope")
+        monkeypatch.setenv(routing.ENV_FLAG, "triton")
+        with pytest.raises(ValueError, match="unknown routes"):
+            routing.routes_off()
+        monkeypatch.delenv(routing.OFF_FLAG)

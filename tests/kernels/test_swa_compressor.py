@@ -13,7 +13,8 @@ import torch
 
 from dsv4cp import ops
 from dsv4cp.kernels import compressor as kc
-from dsv4cp.kernels.norm_rope import rope_index_queries, store_swa_k, swa_key
+from dsv4cp.kernels.rope import rope_index_queries
+from dsv4cp.kernels.swa import store_swa_k, swa_key
 from dsv4cp.ops.rope import YarnScaling
 
 pytestmark = [

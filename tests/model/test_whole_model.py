@@ -103,7 +103,7 @@ def test_set_quant_switches_every_part_and_is_checked() -> None:
 
 @pytest.mark.parametrize("quant", ["none", "qat"])
 def test_moe_shared_expert_through_its_linears_equals_the_twin(model, quant: str) -> None:
-    from dsv4cp.ops.moe import expert_mlp
+    from dsv4cp.ops.moe_experts import expert_mlp
 
     moe = model.blocks[1].ffn
     assert isinstance(moe, MoE)

@@ -218,6 +218,28 @@ def test_linear_module_forward_on_checkpoint_weights() -> None:
     assert torch.equal(layer(x, "none"), linear(x, w, s, "none"))
 
 
+def test_linear_checkpoint_slots_are_views_of_the_stored_rows() -> None:
+    """A fused projection's part names its weight rows and their scale rows: fp8's 32-row
+    blocks, fp4's rows; a dense weight has no scale."""
+    fp8 = Linear(64, 96, storage="fp8", dtype=torch.bfloat16, device="cpu")
+    head, tail = (
+        fp8.checkpoint_slots("a.", slice(None, 64)),
+        fp8.checkpoint_slots("b.", slice(64, None)),
+    )
+    assert list(head) == ["a.weight", "a.scale"] and list(tail) == ["b.weight", "b.scale"]
+    assert head["a.weight"].data_ptr() == fp8.weight.data_ptr()
+    assert tuple(head["a.weight"].shape) == (64, 64) and tuple(tail["b.weight"].shape) == (32, 64)
+    assert fp8.scale is not None and tuple(fp8.scale.shape) == (3, 2)
+    assert tuple(head["a.scale"].shape) == (2, 2) and tuple(tail["b.scale"].shape) == (1, 2)
+    assert tail["b.scale"].data_ptr() == fp8.scale[2:].data_ptr()
+    fp4 = Linear(64, 96, storage="fp4", dtype=torch.bfloat16, device="cpu")
+    part = fp4.checkpoint_slots("c.", slice(40, 50))
+    assert fp4.scale is not None and part["c.scale"].data_ptr() == fp4.scale[40:].data_ptr()
+    assert tuple(part["c.weight"].shape) == (10, 32) and tuple(part["c.scale"].shape) == (10, 2)
+    dense = Linear(64, 96, storage="dense", dtype=torch.float32, device="cpu")
+    assert list(dense.checkpoint_slots("d.")) == ["d.weight"]
+
+
 def test_quantize_fp8_blocks_round_trips_checkpoint_weights() -> None:
     """Re-quantizing a released fp8 weight gives back its codes and scales; a dense weight comes
     back within one e4m3 rounding (half a step: 2^-4 of the value, or of the block's subnormal

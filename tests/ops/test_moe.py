@@ -11,18 +11,10 @@ from torch import Tensor
 
 from dsv4cp.layers.moe import MoE
 from dsv4cp.ops.linear import dequant_fp4, dequant_fp8_blocks
-from dsv4cp.ops.moe import (
-    ExpertStack,
-    MoeSpec,
-    QuantWeight,
-    clamped_swiglu,
-    expert_mlp,
-    gate_scores,
-    grouped_expert_mlp,
-    moe,
-    route,
-    sort_by_expert,
-)
+from dsv4cp.ops.moe import moe
+from dsv4cp.ops.moe_experts import clamped_swiglu, expert_mlp, grouped_expert_mlp
+from dsv4cp.ops.moe_routing import MoeSpec, gate_scores, route, sort_by_expert
+from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import fp4_quant
 from tests.model import dsv41_fixture as fx
 

@@ -6,19 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.ops.moe import (
-    ExpertStack,
-    combine,
+from dsv4cp.ops.moe import combine, moe
+from dsv4cp.ops.moe_ep import (
     ep_dispatch,
     ep_local_experts,
     ep_pack,
     ep_per_token,
-    expert_mlp,
-    moe,
     pack_pairs,
-    route,
     unpack_pairs,
 )
+from dsv4cp.ops.moe_experts import expert_mlp
+from dsv4cp.ops.moe_routing import route
+from dsv4cp.ops.moe_weights import ExpertStack
 from tests.ops.test_moe import SPEC, E, _weights
 
 

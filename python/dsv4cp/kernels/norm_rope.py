@@ -1,15 +1,16 @@
 """Fused norm/RoPE row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → [round →
 fake quant] → store.
 
-store_swa_k (attention-math §4.3/§5.1) is norm + rope in fp32, cast once, scattered to the cache
-slots. The compressor (§5.2) reuses the same kernel with its pooling and rounding steps switched
-on (dsv4cp.kernels.compressor). Each program takes BLOCK_T rows of D (padded to a power of two)
+`norm_rope_rows` launches it for every twin that normalizes or rotates rows: the SWA key
+(`kernels.swa`: norm + rope in fp32, cast once, scattered to the cache slots, attention-math
+§4.3/§5.1), the RoPE-only passes (`kernels.rope`: the index queries, the q tail and its inverse)
+and the compressor (§5.2, `kernels.compressor`: its pooling and rounding steps switched on).
+Each program takes BLOCK_T rows of D (padded to a power of two)
 and makes one pass: read the row(s) once, write the result once.
 
 quant="qat" (docs/quantization.md): the norm and the RoPE output are rounded to the input's dtype
-and the finished row is fake-quantized in blocks along D, with the quantizers of
-`dsv4cp.ops.quant` done bit for bit (fp8 e4m3 / ue8m0 per 32 for the SWA key, fp4 e2m1 / ue8m0 per
-32 for index queries and keys, fp4 e2m1 / e4m3 per 16 for the compressed key). Blocks may
+and the finished row is fake-quantized in blocks along D (`kernels.fake_quant`: the quantizers of
+`dsv4cp.ops.quant` bit for bit). Blocks may
 straddle the RoPE boundary (D − rope_dim need not be a multiple of the block), so in this mode
 the row is rotated as one tile: each RoPE column also loads its pair partner.
 """
@@ -23,106 +24,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil, to_dtype
-from dsv4cp.ops.attention_quant import COMPRESSED_KEY_BLOCK, INDEX_BLOCK, SWA_KEY_BLOCK
-from dsv4cp.ops.indexer import check_index_query_proj
-from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels.fake_quant import FAKE_QUANTS, fake_quant_blocks
+from dsv4cp.kernels.precise_math import cos_sin, exp, rsqrt
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
-if not interpreting():
-    from triton.language.extra import libdevice
-else:  # the interpreter has no libdevice; tl.math stands in for it there.
-    libdevice = None
-
 MAX_D = 4096
-# fake_quant name -> (QUANT code of the kernel, block along D)
-FAKE_QUANTS = {
-    "fp8": (1, SWA_KEY_BLOCK),
-    "fp4": (2, INDEX_BLOCK),
-    "fp4_e4m3": (3, COMPRESSED_KEY_BLOCK),
-}
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # (rows per program, num_warps) for a 512-wide row; benchmarks/kernels.py sweeps it.
 DEFAULT_CONFIG = (8, 4)
-
-
-@triton.jit
-def _cos_sin(x, PRECISE: tl.constexpr):
-    """cos and sin of fp32 angles. On the GPU the angle is first reduced modulo 2π in fp64, so
-    libdevice always takes its fast path (|x| > 105615 would take the slow Payne-Hanek one,
-    through local memory, for the large positions of long contexts)."""
-    if PRECISE:
-        x64 = x.to(tl.float64)
-        k = tl.floor(x64 * 0.15915494309189535 + 0.5)
-        r = (x64 - k * 6.283185307179586).to(tl.float32)
-        return libdevice.cos(r), libdevice.sin(r)
-    else:
-        return tl.cos(x), tl.sin(x)
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _rsqrt(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.rsqrt(x)
-    else:
-        return 1.0 / tl.sqrt(x)
-
-
-@triton.jit
-def _div(a, b, PRECISE: tl.constexpr):
-    """IEEE fp32 division (the GPU's `/` may be approximate; the interpreter's is IEEE)."""
-    if PRECISE:
-        return libdevice.div_rn(a, b)
-    else:
-        return a / b
-
-
-@triton.jit
-def _e2m1_rne(v):
-    """fp32 v with |v| ≤ 6 -> the nearest e2m1 value, ties to the even code (ops.quant.e2m1_round),
-    sign kept: the grid step is 0.5 below 2, 1 below 4, 2 up to 6."""
-    mag = tl.abs(v)
-    step = tl.where(mag < 2.0, 0.5, tl.where(mag < 4.0, 1.0, 2.0))
-    rounded = ((mag / step + 12582912.0) - 12582912.0) * step  # half to even, as e4m3_rne
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
-
-
-@triton.jit
-def _fake_quant(
-    y,
-    QUANT: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISE: tl.constexpr,
-):
-    """Quantize then dequantize y [BLOCK_T, BLOCK_D] per QBLOCK columns, as dsv4cp.ops.quant:
-    1 = fake_act_quant_fp8, 2 = fake_fp4_quant, 3 = fake_fp4_quant_e4m3_scale (amax floors and
-    fp32 reciprocals of the reference kernels)."""
-    yb = tl.reshape(y, (BLOCK_T, BLOCK_D // QBLOCK, QBLOCK))
-    amax = tl.max(tl.abs(yb), axis=2)
-    if QUANT == 1:
-        s = pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -448.0), 448.0)
-        q = e4m3_rne(v)
-    elif QUANT == 2:
-        s = pow2_ceil(tl.maximum(amax, 7.052316384526264e-38) * (1.0 / 6.0))  # floor 6·2^-126
-        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -6.0), 6.0)
-        q = _e2m1_rne(v)
-    else:
-        a = tl.maximum(amax, 0.01171875)  # floor 6·2^-9
-        s = e4m3_rne(tl.minimum(_div(a, 6.0, PRECISE), 448.0))
-        v = tl.minimum(tl.maximum(_div(yb, s[:, :, None], PRECISE), -6.0), 6.0)
-        q = _e2m1_rne(v)
-    return tl.reshape(q * s[:, :, None], (BLOCK_T, BLOCK_D))
 
 
 @triton.jit
@@ -154,8 +64,8 @@ def _load_prep(
         g0 = g0.to(tl.float32)
         g1 = g1.to(tl.float32)
         mx = tl.maximum(g0, g1)
-        e0 = _exp(g0 - mx, PRECISE)
-        e1 = _exp(g1 - mx, PRECISE)
+        e0 = exp(g0 - mx, PRECISE)
+        e1 = exp(g1 - mx, PRECISE)
         x = (e0 * x0.to(tl.float32) + e1 * x) / (e0 + e1)
     if ROUND_IN:
         x = to_dtype(x, DTYPE, EMULATE).to(tl.float32)
@@ -285,7 +195,7 @@ def _norm_rope_kernel(
     )
     inv = tl.full([BLOCK_T], 1.0, tl.float32)
     if NORM:
-        inv = _rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
+        inv = rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
         x = x * inv[:, None]
         if HAS_W:
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
@@ -335,13 +245,13 @@ def _norm_rope_kernel(
             )
             freq = tl.load(freq_ptr + (cols - ROPE0) // 2, mask=is_rope, other=0.0)
             pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
-            cos, sin = _cos_sin(pos[:, None] * freq[None, :], PRECISE)
+            cos, sin = cos_sin(pos[:, None] * freq[None, :], PRECISE)
             if INVERSE:
                 sin = -sin
             even = (cols % 2 == 0)[None, :]
             rot = tl.where(even, x * cos - xp * sin, xp * sin + x * cos)
             y = tl.where(is_rope[None, :], to_dtype(rot, RDT, EMULATE).to(tl.float32), x)
-        y = _fake_quant(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
+        y = fake_quant_blocks(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
         tl.store(out_rows + cols[None, :], to_dtype(y, dt, EMULATE), mask=ok)
     elif ROPE:
         tl.store(
@@ -406,7 +316,7 @@ def _norm_rope_kernel(
         freq = tl.load(freq_ptr + pair, mask=p_ok, other=0.0)
         pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
         angle = pos[:, None] * freq[None, :]
-        cos, sin = _cos_sin(angle, PRECISE)
+        cos, sin = cos_sin(angle, PRECISE)
         if INVERSE:
             sin = -sin
         tl.store(out_rows + ca, to_dtype(a * cos - b * sin, dt, EMULATE), mask=pk)
@@ -528,133 +438,3 @@ def norm_rope_rows(
         EMULATE=interpreting(),
         num_warps=warps,
     )
-
-
-def swa_key(
-    kv_raw: Tensor,
-    positions: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    rope_dim: int,
-    theta: float,
-    yarn: YarnScaling | None = None,
-    out_dtype: torch.dtype | None = None,
-    quant: QuantMode = "none",
-) -> Tensor:
-    """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype; "qat":
-    rounded to kv_raw.dtype after each, then fp8 per 32 fake-quantized."""
-    out = torch.empty(kv_raw.shape, dtype=out_dtype or kv_raw.dtype, device=kv_raw.device)
-    norm_rope_rows(
-        kv_raw,
-        out,
-        positions=positions,
-        rope_dim=rope_dim,
-        theta=theta,
-        yarn=yarn,
-        norm_weight=norm_weight,
-        eps=eps,
-        round_mid=_qat(quant),
-        fake_quant="fp8" if _qat(quant) else None,
-        round_dtype=kv_raw.dtype,
-    )
-    return out
-
-
-def _qat(quant: QuantMode) -> bool:
-    return check_quant_mode(quant) == "qat"
-
-
-def store_swa_k(
-    kv_raw: Tensor,
-    positions: Tensor,
-    slots: Tensor,
-    cache: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    rope_dim: int,
-    theta: float,
-    yarn: YarnScaling | None = None,
-    quant: QuantMode = "none",
-) -> None:
-    """Triton twin of ops.swa.store_swa_k: writes cache[slots] in one pass over kv_raw."""
-    norm_rope_rows(
-        kv_raw,
-        cache,
-        positions=positions,
-        rope_dim=rope_dim,
-        theta=theta,
-        yarn=yarn,
-        norm_weight=norm_weight,
-        eps=eps,
-        slots=slots,
-        round_mid=_qat(quant),
-        fake_quant="fp8" if _qat(quant) else None,
-        round_dtype=kv_raw.dtype,
-    )
-
-
-def rope_index_queries(
-    q_proj: Tensor,
-    positions: Tensor,
-    rope_dim: int,
-    theta: float,
-    yarn: YarnScaling | None = None,
-    *,
-    head_dim: int,
-    quant: QuantMode = "none",
-) -> Tensor:
-    """Triton twin of ops.indexer.rope_index_queries: every (token, head) row roped (and under
-    "qat" rounded, then fp4 per 32 fake-quantized) in one pass."""
-    check_index_query_proj(q_proj, head_dim)
-    t, heads = q_proj.shape[0], q_proj.shape[1] // head_dim
-    out = torch.empty(t, heads, head_dim, dtype=q_proj.dtype, device=q_proj.device)
-    norm_rope_rows(
-        q_proj.reshape(t * heads, head_dim),
-        out.view(t * heads, head_dim),
-        positions=positions.repeat_interleave(heads),
-        rope_dim=rope_dim,
-        theta=theta,
-        yarn=yarn,
-        norm=False,
-        fake_quant="fp4" if _qat(quant) else None,
-    )
-    return out
-
-
-def rope_tail_(
-    x: Tensor,
-    positions: Tensor,
-    rope_dim: int,
-    theta: float,
-    yarn: YarnScaling | None = None,
-    inverse: bool = False,
-) -> Tensor:
-    """Triton twin of ops.rope.rope_tail_: the last `rope_dim` dims of x [T, ..., D] rotated in
-    place, one pass over the tail only (the row kernel with norm off, rows = T·heads); the
-    torch op's chain of fp32 temporaries reads and writes the tail about ten times."""
-    if x.dim() < 2 or positions.shape != (x.shape[0],):
-        raise ValueError(
-            f"rope_tail_: x must be [T, ..., D] and positions [T], got {tuple(x.shape)} and "
-            f"{tuple(positions.shape)}"
-        )
-    d = x.shape[-1]
-    if rope_dim <= 0 or rope_dim % 2 or rope_dim > d:
-        raise ValueError(f"rope_tail_ kernel: rope_dim {rope_dim} must be even and in (0, {d}]")
-    if x.numel() == 0:
-        return x
-    per_token = x[0].numel() // d  # rows (heads) per token
-    try:
-        rows = x.view(-1, d)  # every row of D values, in token-major order
-    except RuntimeError:
-        rows = None
-    if rows is None or rows.stride(1) != 1:  # a layout the row view cannot take: via a copy
-        y = x.contiguous()
-        rope_tail_(y, positions, rope_dim, theta, yarn, inverse)
-        return x.copy_(y)
-    tail = rows[:, d - rope_dim :]
-    pos = positions[:, None].expand(-1, per_token).reshape(-1) if per_token > 1 else positions
-    norm_rope_rows(
-        tail, tail, positions=pos, rope_dim=rope_dim, theta=theta, yarn=yarn, norm=False,
-        inverse=inverse,
-    )  # fmt: skip
-    return x

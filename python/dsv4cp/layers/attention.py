@@ -132,23 +132,13 @@ class DeepseekV41Attention(nn.Module):
         dequantize=self.checkpoint_dequantize(prefix))``."""
         rq, d = self.config.q_lora_rank, self.head_dim
         out: dict[str, Tensor] = {}
-
-        def linear(name: str, lin: Linear, rows: slice = slice(None)) -> None:
-            out[f"{prefix}{name}.weight"] = lin.weight[rows]
-            if lin.scale is not None:
-                blocks = slice(
-                    None if rows.start is None else rows.start // WEIGHT_BLOCK,
-                    None if rows.stop is None else rows.stop // WEIGHT_BLOCK,
-                )
-                out[f"{prefix}{name}.scale"] = lin.scale[blocks]
-
-        linear("wq_a", self.wqkv_a, slice(None, rq))
-        linear("wkv", self.wqkv_a, slice(rq, None))
+        out.update(self.wqkv_a.checkpoint_slots(f"{prefix}wq_a.", slice(None, rq)))
+        out.update(self.wqkv_a.checkpoint_slots(f"{prefix}wkv.", slice(rq, None)))
         out[f"{prefix}q_norm.weight"] = self.q_norm
-        linear("wq_b", self.wq_b)
+        out.update(self.wq_b.checkpoint_slots(f"{prefix}wq_b."))
         out[f"{prefix}kv_norm.weight"] = self.kv_norm
         out[f"{prefix}wo_a.weight"] = self.wo_a
-        linear("wo_b", self.wo_b)
+        out.update(self.wo_b.checkpoint_slots(f"{prefix}wo_b."))
         out[f"{prefix}attn_sink"] = self.attn_sink
         if self.role.owns_compressor:
             out[f"{prefix}compressor.wkv.weight"] = self.comp_wkv[:d]
@@ -158,7 +148,7 @@ class DeepseekV41Attention(nn.Module):
             out[f"{prefix}indexer.wk.weight"] = self.idx_wk
             out[f"{prefix}indexer.k_norm.weight"] = self.idx_k_norm
         if self.role.index_source:
-            linear("indexer.wq_b", self.idx_wq_b)
+            out.update(self.idx_wq_b.checkpoint_slots(f"{prefix}indexer.wq_b."))
             out[f"{prefix}indexer.weights_proj.weight"] = self.idx_weights_proj
         return out
 

@@ -29,7 +29,7 @@ from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.hyper_connections import HyperConnection, hc_sublayer
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
-from dsv4cp.ops.moe import GroupedBackend
+from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.quant import QuantMode
 

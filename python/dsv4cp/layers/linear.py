@@ -74,6 +74,21 @@ class Linear(nn.Module):
         out_dtype = None if self.storage == "dense" else self.dtype
         return linear(x, self.weight, self.scale, quant, out_dtype=out_dtype)
 
+    def checkpoint_slots(self, prefix: str, rows: slice = slice(None)) -> dict[str, Tensor]:
+        """`{prefix}weight` → the weight's rows `rows` (a view; one part of a fused projection
+        takes its range) and, when quantized, `{prefix}scale` → the scale rows of those rows:
+        fp8's blocks of WEIGHT_BLOCK rows (the range's ends multiples of it), fp4's rows."""
+        out = {f"{prefix}weight": self.weight[rows]}
+        if self.scale is not None:
+            blocks = rows
+            if self.storage == "fp8":
+                blocks = slice(
+                    None if rows.start is None else rows.start // WEIGHT_BLOCK,
+                    None if rows.stop is None else rows.stop // WEIGHT_BLOCK,
+                )
+            out[f"{prefix}scale"] = self.scale[blocks]
+        return out
+
     def extra_repr(self) -> str:
         sizes = f"in={self.in_features}, out={self.out_features}"
         return f"{sizes}, storage={self.storage}, dtype={self.dtype}"

@@ -13,20 +13,11 @@ from torch import Tensor, nn
 from dsv4cp.cp.group import CPGroup, split_matrix
 from dsv4cp.layers.linear import Linear
 from dsv4cp.ops.linear import WEIGHT_BLOCK
-from dsv4cp.ops.moe import (
-    ExpertStack,
-    GroupedBackend,
-    MoeSpec,
-    QuantWeight,
-    clamped_swiglu,
-    combine,
-    ep_dispatch,
-    ep_local_experts,
-    ep_pack,
-    ep_per_token,
-    moe,
-    route,
-)
+from dsv4cp.ops.moe import combine, moe
+from dsv4cp.ops.moe_ep import ep_dispatch, ep_local_experts, ep_pack, ep_per_token
+from dsv4cp.ops.moe_experts import GroupedBackend, clamped_swiglu
+from dsv4cp.ops.moe_routing import MoeSpec, route
+from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
@@ -111,7 +102,7 @@ class MoE(nn.Module):
 
     def shared_mlp(self, x: Tensor, quant: QuantMode) -> Tensor:
         """The shared expert through its `Linear`s (the routed fp8 GEMM kernel on CUDA in qat);
-        the math of `ops.moe.expert_mlp`."""
+        the math of `ops.moe_experts.expert_mlp`."""
         lin = {n: self.shared[n] for n in _PROJECTIONS}
         h = clamped_swiglu(lin["w1"](x, quant), lin["w3"](x, quant), self.spec.swiglu_limit)
         return cast(Tensor, lin["w2"](h.to(x.dtype), quant))

@@ -1,0 +1,39 @@
+"""One head's term of an index score and the head sum as the score, in Triton registers.
+
+The fused indexer kernels (`indexer_topk_scan`, `indexer_topk_gather`) form each logit as
+Σ_h relu(q_h·k)·w_h. quant="qat" (QAT constexpr): each head's term is the reference's bf16 steps,
+bf16(relu(bf16(s)) · bf16(w)), added in fp32 in head order 0…H−1 (the gather kernel: a tree over
+the heads) and the sum rounded to bf16 once: the index scores of
+`ops.attention_quant.index_scores_qat`. The fp4 × fp4 products are exact and the fp32 dot of D_I
+of them is exact unless the block scales differ by about 2^10, so the scores equal the twin's but
+where that sum rounds; on one GPU the selection is a deterministic function of each row (CP = N
+equals CP = 1 bit for bit).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4cp.kernels._triton import to_dtype
+
+
+@triton.jit
+def head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr):
+    """One head's relu(s)·w in fp32, or the reference's bf16 steps under qat:
+    bf16(relu(bf16(s)) · bf16(w)) (`ops.attention_quant.index_scores_qat`)."""
+    if QAT:
+        sb = to_dtype(s, tl.bfloat16, RNE).to(tl.float32)
+        wb = to_dtype(w, tl.bfloat16, RNE).to(tl.float32)
+        return to_dtype(tl.maximum(sb, 0.0) * wb, tl.bfloat16, RNE).to(tl.float32)
+    else:
+        return tl.maximum(s, 0.0) * w
+
+
+@triton.jit
+def index_score(acc, QAT: tl.constexpr, RNE: tl.constexpr):
+    """The head sum as the index score: one bf16 rounding under qat."""
+    if QAT:
+        return to_dtype(acc, tl.bfloat16, RNE).to(tl.float32)
+    else:
+        return acc

@@ -1,0 +1,35 @@
+"""The merge of a row's pieces: when the scan splits the width into pieces, each piece leaves
+its exact top K in its buffer; `merge_kernel` takes, per row, the top K of the pieces' buffers
+(≤ pieces·K keys, in column order) in registers (`kernels.topk`'s selection), -1 pads; rows with
+at most K visible columns (PREFIX) get every visible column."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4cp.kernels.topk import _kth_key, _store_prefix, _store_selection
+
+
+@triton.jit
+def merge_kernel(
+    sk_ptr, si_ptr, cnt_ptr, nvis_ptr, out_ptr, WIDTH, PIECES, stride_ot,
+    K: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, CAP: tl.constexpr,
+    PREFIX: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    out_row = out_ptr + row * stride_ot
+    n = tl.maximum(tl.minimum(tl.load(nvis_ptr + row).to(tl.int32), WIDTH), 0)
+    if PREFIX and n <= K:
+        _store_prefix(out_row, n, K, K_PAD)
+    else:
+        p = tl.arange(0, P_PAD)
+        o = tl.arange(0, K_PAD)
+        c = tl.load(cnt_ptr + row * PIECES + p, mask=p < PIECES, other=0)
+        live = o[None, :] < c[:, None]
+        at = (row * PIECES + p)[:, None] * CAP + o[None, :]
+        keys = tl.reshape(tl.load(sk_ptr + at, mask=live, other=-2147483648), [P_PAD * K_PAD])
+        idx = tl.reshape(tl.load(si_ptr + at, mask=live, other=0), [P_PAD * K_PAD])
+        total = tl.minimum(tl.sum(c, 0), K)
+        tl.store(out_row + o, tl.full([K_PAD], -1, tl.int32), mask=(o >= total) & (o < K))
+        _store_selection(keys, idx, keys > -2147483648, _kth_key(keys, K), out_row, K)

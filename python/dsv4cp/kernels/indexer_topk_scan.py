@@ -1,0 +1,153 @@
+"""The fused scan: indexer logits formed tile by tile and kept only as each row's running top-k.
+
+`scan_kernel`: one program per (row block of BLOCK_T rows, piece of the width). Per tile of
+BLOCK_N key columns it forms the logits tile as `kernels/indexer_logits` does (the key tile loaded
+once, one tensor-core product per head, relu, weighted sum in fp32 registers: `index_score`), then
+appends the columns that beat each row's threshold to the row's running buffer; when a row's
+buffer is nearly full, every row's buffer of the block is cut to its top K (`running_topk`).
+After the last tile the buffer is the piece's exact top K. With one piece (DIRECT) the program
+writes the answer; otherwise `indexer_topk_merge.merge_kernel` merges the pieces' buffers.
+
+Modes (constexpr flags of the same kernel):
+- BLOCK_MAX, the candidate source: each tile also writes the max visible logit of every block of
+  BS columns (the newest block +inf) into a [rows, blocks] fp32 buffer, 1/BS of the logits, from
+  which `kernels.topk` selects the published blocks (`candidate_blocks` for finite logits).
+- MEMBER, a candidate consumer: a column is a candidate only if its block is in the row's
+  published list (a [rows, blocks] byte map written by `member_kernel`) and its logit is finite.
+  Every visible column is still scored; the selection, not the product, is restricted.
+
+A row block whose rows have different k_start (a request boundary inside the block) is done in
+segments, one pass over the piece per distinct k_start, the other rows masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4cp.kernels.index_score import head_term, index_score
+from dsv4cp.kernels.running_topk import cut_block
+from dsv4cp.kernels.topk import _sortable
+
+
+@triton.jit
+def scan_kernel(
+    q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, member_ptr, bmax_ptr,
+    sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr,
+    T, H, N, WIDTH, PIECES, PIECE_W, NB,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
+    K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, RG: tl.constexpr,
+    HAS_KSTART: tl.constexpr, MEMBER: tl.constexpr, BLOCK_MAX: tl.constexpr, BS: tl.constexpr,
+    DIRECT: tl.constexpr, PREFIX: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    first_row = tl.program_id(0) * BLOCK_T
+    piece = tl.program_id(1)
+    rows = first_row + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    slots = rows64 * PIECES + piece
+    d = tl.arange(0, D)
+    nv_raw = tl.load(nvis_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    nv = tl.maximum(tl.minimum(nv_raw, WIDTH), 0)
+    if HAS_KSTART:
+        ks = tl.load(kstart_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    else:
+        ks = tl.zeros([BLOCK_T], dtype=tl.int32)
+    c0 = piece * PIECE_W
+    c1 = tl.minimum(c0 + PIECE_W, WIDTH)
+    cnt = tl.zeros([BLOCK_T], dtype=tl.int32)
+    tau = tl.full([BLOCK_T], -2147483648, tl.int32)
+    done = (rows >= T).to(tl.int32)
+    while tl.min(done, 0) == 0:  # one segment per distinct k_start
+        ks_cur = tl.min(tl.where(done != 0, 2147483647, ks), 0)
+        active = (done == 0) & (ks == ks_cur)
+        hi = tl.minimum(c1, tl.max(tl.where(active, nv, 0), 0))
+        for n0 in range(c0, hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            key_rows = ks_cur + cols
+            kt = tl.load(
+                k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
+                mask=((cols < hi) & (key_rows < N))[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
+            w_ptrs = w_ptr + rows64 * stride_wt
+            for _ in tl.range(0, H, num_stages=STAGES):
+                qh = tl.load(q_ptrs, mask=active[:, None], other=0.0)
+                wh = tl.load(w_ptrs, mask=active, other=0.0)
+                if UPCAST:
+                    qh = qh.to(tl.float32)
+                s = tl.dot(qh, kt, input_precision=DOT_PREC)
+                acc += head_term(s, wh[:, None], QAT, RNE)
+                q_ptrs += stride_qh
+                w_ptrs += 1
+            acc = index_score(acc, QAT, RNE)
+            vis = active[:, None] & (cols[None, :] < nv[:, None])
+            if BLOCK_MAX:
+                blk = tl.max(
+                    tl.reshape(tl.where(vis, acc, float("-inf")), [BLOCK_T, BLOCK_N // BS, BS]), 2
+                )
+                bcol = n0 // BS + tl.arange(0, BLOCK_N // BS)
+                newest = (nv_raw - 1) // BS
+                forced = (bcol[None, :] == newest[:, None]) & (nv_raw > 0)[:, None]
+                tl.store(
+                    bmax_ptr + rows64[:, None] * NB + bcol[None, :],
+                    tl.where(forced, float("inf"), blk),
+                    mask=active[:, None] & (bcol < NB)[None, :],
+                )
+            elig = vis
+            if MEMBER:
+                member = tl.load(member_ptr + rows64[:, None] * NB + cols[None, :] // BS, mask=vis)
+                elig = vis & (member != 0) & (acc > float("-inf"))
+            key = _sortable(acc)  # acc starts at +0.0 and adds products: never -0.0
+            take = elig & (key > tau[:, None])
+            n_take = tl.sum(take.to(tl.int32), 1)
+            if tl.max(n_take, 0) > 0:
+                at = slots[:, None] * CAP + cnt[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+                tl.store(sk_ptr + at, key, mask=take)
+                tl.store(si_ptr + at, cols[None, :] + tl.zeros_like(key), mask=take)
+                cnt += n_take
+                if tl.max(cnt, 0) > CAP - BLOCK_N:  # a buffer could overflow at the next tile
+                    tl.store(cnt_ptr + slots, cnt, mask=row_ok)
+                    cut_block(
+                        sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES,
+                        BLOCK_T, RG, CAP, K,
+                    )  # fmt: skip
+                    cnt = tl.load(cnt_ptr + slots, mask=row_ok, other=0)
+                    tau = tl.load(tau_ptr + slots, mask=row_ok, other=-2147483648)
+        done = tl.where(active, 1, done)
+    tl.store(cnt_ptr + slots, cnt, mask=row_ok)
+    cut_block(sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES, BLOCK_T, RG, CAP, K)
+    if DIRECT:  # one piece: the buffers are the answer (ascending columns, -1 pads)
+        o = tl.arange(0, K_PAD)
+        for g in range(0, BLOCK_T, RG):
+            r = first_row + g + tl.arange(0, RG)
+            r_ok = r < T
+            r64 = r.to(tl.int64)
+            c = tl.load(cnt_ptr + r64, mask=r_ok, other=0)
+            sel = tl.load(si_ptr + r64[:, None] * CAP + o[None, :], mask=o[None, :] < c[:, None])
+            sel = tl.where(o[None, :] < c[:, None], sel, -1)
+            if PREFIX:  # n ≤ K: every visible column, whatever its logit
+                n = tl.minimum(tl.load(nvis_ptr + r, mask=r_ok, other=0).to(tl.int32), WIDTH)
+                n = tl.maximum(n, 0)
+                prefix = tl.where(o[None, :] < n[:, None], o[None, :], -1)
+                sel = tl.where((n <= K)[:, None], prefix, sel)
+            tl.store(
+                out_ptr + r64[:, None] * stride_ot + o[None, :],
+                sel,
+                mask=r_ok[:, None] & (o < K)[None, :],
+            )
+
+
+@triton.jit
+def member_kernel(ids_ptr, member_ptr, NB, MB, stride_it, MB_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, MB_PAD)
+    ids = tl.load(ids_ptr + row * stride_it + j, mask=j < MB, other=-1)
+    ok = (ids >= 0) & (ids < NB)
+    tl.store(member_ptr + row * NB + ids, tl.full([MB_PAD], 1, tl.uint8), mask=ok)
