@@ -5,7 +5,7 @@ SGL_VENV ?= .venv-sglang
 PY := $(VENV)/bin/python
 SGL_PY := $(SGL_VENV)/bin/python
 
-.PHONY: install install-sglang demo test test-core test-sglang lint clean
+.PHONY: install install-sglang demo test test-core test-sglang test-gpu lint clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ test-core: install lint
 
 test-sglang: install-sglang
 	$(SGL_PY) -m pytest -q -m sglang tests/sglang
+
+# On a CUDA machine (not in CI): the tests marked gpu (kernels against their twins, the model
+# against DeepSeek's reference with the kernels, fake-CP streams and graphs).
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests
 
 lint: install
 	$(VENV)/bin/ruff check python tests benchmarks
