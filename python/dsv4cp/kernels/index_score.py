@@ -1,9 +1,9 @@
 """One head's term of an index score and the head sum as the score, in Triton registers.
 
-The fused indexer kernels (`indexer_topk_scan`, `indexer_topk_gather`) form each logit as
-Σ_h relu(q_h·k)·w_h. quant="qat" (QAT constexpr): each head's term is the reference's bf16 steps,
-bf16(relu(bf16(s)) · bf16(w)), added in fp32 in head order 0…H−1 (the gather kernel: a tree over
-the heads) and the sum rounded to bf16 once: the index scores of
+The indexer kernels (`indexer_topk_scan`, `indexer_topk_gather`, `indexer_logits_cached`) form
+each logit as Σ_h relu(q_h·k)·w_h. quant="qat" (QAT constexpr): each head's term is the
+reference's bf16 steps, bf16(relu(bf16(s)) · bf16(w)), added in fp32 in head order 0…H−1 (the
+row-by-row paths: a tree over the heads) and the sum rounded to bf16 once: the index scores of
 `ops.attention_quant.index_scores_qat`. The fp4 × fp4 products are exact and the fp32 dot of D_I
 of them is exact unless the block scales differ by about 2^10, so the scores equal the twin's but
 where that sum rounds; on one GPU the selection is a deterministic function of each row (CP = N

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels.index_score import head_term, index_score
 from dsv4cp.kernels.kv_decode import FORMAT_CODES, load_key_rows
 from dsv4cp.ops.kv_format import check_format, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -29,21 +30,6 @@ from dsv4cp.ops.quant import QuantMode, check_quant_mode
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): not tuned on the H200 yet (see docs/caches.md).
 DEFAULT_CONFIG = (64, 64, 4, 2)
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _bf16(x, RNE: tl.constexpr):
-    """x rounded to bf16 (nearest even), as fp32."""
-    return to_dtype(x, tl.bfloat16, RNE).to(tl.float32)
-
-
-@triton.jit
-def _head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr):
-    """relu(s)·w in fp32, or the reference's bf16 rounding of each step under qat."""
-    if QAT:
-        return _bf16(tl.maximum(_bf16(s, RNE), 0.0) * _bf16(w, RNE), RNE)
-    else:
-        return tl.maximum(s, 0.0) * w
 
 
 @triton.jit
@@ -110,11 +96,10 @@ def _mqa_logits_cached_kernel(
                 if UPCAST:
                     qh = qh.to(tl.float32)
                 s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                acc += _head_term(s, wh[:, None], QAT, RNE)
+                acc += head_term(s, wh[:, None], QAT, RNE)
                 q_ptrs += stride_qh
                 w_ptrs += 1
-        if QAT:
-            acc = _bf16(acc, RNE)
+        acc = index_score(acc, QAT, RNE)
         visible = cols[None, :] < nvis[:, None]
         tl.store(
             out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
@@ -144,9 +129,8 @@ def _mqa_logits_cached_kernel(
                     kt = kt.to(qt.dtype)
                 wt = tl.load(w_ptr + t64 * stride_wt + hh, mask=h_ok, other=0.0)
                 s = tl.dot(qt, kt, input_precision=DOT_PREC)
-                row = tl.sum(_head_term(s, wt[:, None], QAT, RNE), 0)
-                if QAT:
-                    row = _bf16(row, RNE)
+                row = tl.sum(head_term(s, wt[:, None], QAT, RNE), 0)
+                row = index_score(row, QAT, RNE)
                 row = tl.where(cols < nv_t, row, float("-inf"))
                 tl.store(out_ptr + t64 * stride_ot + cols, row, mask=col_ok)
 
