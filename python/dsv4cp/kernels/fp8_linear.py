@@ -29,7 +29,7 @@ from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.ops.linear import WEIGHT_BLOCK, fp8_scale_shape
 from dsv4cp.ops.quant import scale_to_float
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); not tuned yet (no GPU run so far)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); not tuned yet (no GPU sweep of this kernel so far)
 DEFAULT_CONFIG = (64, 128, 4, 3)
 _ROWS_PER_QUANT_PROGRAM = 4
 

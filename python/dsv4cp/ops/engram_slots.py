@@ -3,9 +3,9 @@
 The hash of the token at position p needs the compressed ids at p, p-1, …, p-N+1 of its request
 (``ops/engram_hash.py``, DeepSeek reference ``engram.py: NgramHashState.forward``). Under a
 paged cache those positions may lie in this batch, in an earlier chunk, or in a radix-shared
-prefix another request wrote. One int32 token id per slot (``slot_token_ids``), written with every
-batch's tokens before the forward, makes them all one case: window slot s of a row is the id
-stored at ``req_to_token[row, p - s]``, or the pad id before the request's first token.
+prefix another request wrote. One int32 token id per slot (``KVCache.token_ids``), written with
+every batch's tokens before the forward, makes them all one case: window slot s of a row is the
+id stored at ``req_to_token[row, p - s]``, or the pad id before the request's first token.
 
 Given that store the window is row-local, so each CP rank builds the windows of its own rows.
 Text only: no position is dead (image tokens would be; dsv4cp serves text).
