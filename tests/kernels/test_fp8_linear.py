@@ -1,10 +1,14 @@
 """GPU: kernels/fp8_linear against its ops twins on the H200.
 
 act_quant_fp8: bit-exact (golden inputs, every finite bf16 value included, and Flash-sized rows).
-fp8_linear: the twin's block partials are exact sums; the fp8 tensor core adds a k-step's 32
-products with limited alignment precision (about 14 bits, DeepSeek-V3 report §3.3.2), so the fp32
-output may differ by up to 2^-13 · Σ|a·b| (the absolute products of the dequantized operands);
-the bf16 outputs the model sees by at most one bf16 ulp.
+fp8_linear: both add the scaled block partials in K order in fp32 with the same power-of-two
+scales; they differ only in each block partial: the twin's is the exact dot rounded to fp32, the
+kernel's is a bf16 tensor-core product (the fp8 values are exact in bf16, the products exact)
+summed in fp32 over the block's 32 terms. Tensor cores may truncate rather than round (unit
+u = 2^-23), so each partial is within 32·u·Σ|a·b| of the twin's, and the K/32 additions that follow
+may each round the two slightly different sums differently: |Δ| ≤ (32 + K/16)·u·Σ|a·b| (the
+absolute products of the dequantized operands); the bf16 outputs differ by that plus one bf16 ulp.
+(The earlier fp8 tensor-core step needed 2^-13·Σ|a·b|: 2–3× looser at K 5120–8192.)
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ def test_fp8_linear_against_the_exact_twin(m: int, n: int, k: int) -> None:
     a = ops_quant.fake_act_quant_fp8(x.float())
     b = ops_linear.dequant_fp8_blocks(w, scale)
     err = (got - want).abs()
-    bound = 2.0**-13 * (a.abs() @ b.abs().t())
+    bound = (32 + k / 16) * 2.0**-23 * (a.abs() @ b.abs().t())
     print(
-        f"fp8_linear {m}x{n}x{k}: max |Δ|/Σ|ab| = {float((err / bound).max()) * 2**-13:.3g}, "
+        f"fp8_linear {m}x{n}x{k}: max |Δ|/bound = {float((err / bound).max()):.3g}, "
         f"{float((err > 0).float().mean()):.3%} of fp32 outputs differ"
     )
     assert bool((err <= bound).all())
