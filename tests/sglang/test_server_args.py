@@ -16,6 +16,7 @@ import pytest
 
 from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
 from dsv4cp.integrations.sglang.server_args import (
+    SWA_FULL_TOKENS_RATIO,
     CPSettings,
     Dsv4cpServerArgsError,
     ModelOverrides,
@@ -156,6 +157,9 @@ def test_cp_flags_map_to_dsv4cp_cp(fields: dict, size: int) -> None:
         ({"is_embedding": True}, "--is-embedding"),
         ({"disaggregation_mode": "prefill"}, "disaggregation"),
         ({"enable_hisparse": True}, "hisparse"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache not supported"),
+        ({"enable_lmcache": True, "enable_flexkv": True}, "--enable-lmcache, --enable-flexkv"),
+        ({"enable_unified_memory": True}, "--enable-unified-memory"),
         ({"json_model_override_args": '{"num_hidden_layers": 2}'}, "--json-model-override-args"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"device": "cuda", "max_total_tokens": None}, "--max-total-tokens on CUDA"),
@@ -281,6 +285,28 @@ def test_cp_flags_through_sglangs_resolution(
     assert view.enable_prefill_cp is (size > 1) and view.attn_cp_size == size
     assert view.enable_cp_tp_group_sharing is (size > 1)
     assert SGLangCP(cp_settings_from_server_args(view)).settings.size == size
+    # SGLang's hybrid-SWA pools, the window the model's (16), dsv4cp's default SWA ratio
+    assert mc.is_hybrid_swa and mc.sliding_window_size == 16 and mc.head_dim == 1
+    assert view.swa_full_tokens_ratio == SWA_FULL_TOKENS_RATIO == 0.1
+
+
+@pytest.mark.parametrize(
+    ("argv", "hybrid", "ratio"),
+    [
+        (["--swa-full-tokens-ratio", "0.3"], True, 0.3),
+        (["--disable-hybrid-swa-memory"], False, SWA_FULL_TOKENS_RATIO),
+    ],
+)
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_swa_flags_are_the_users(
+    sglang_with_plugin, argv: list[str], hybrid: bool, ratio: float
+) -> None:
+    view, mc = _resolve(
+        sglang_with_plugin,
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp", *argv],
+    )
+    assert mc.is_hybrid_swa is hybrid and view.swa_full_tokens_ratio == ratio
 
 
 @pytest.mark.sglang
