@@ -311,6 +311,49 @@ def test_swa_flags_are_the_users(
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_sglangs_own_kv_buffers_cost_next_to_nothing(sglang_with_plugin) -> None:
+    """SGLang's KV pools of a dsv4cp-served model (never read) built with the geometry SGLang
+    derives from its config, at the released-fixture server's sizes (4096 slots, fp32): ~13 B
+    per token slot (head dim 1); with the model's head dim (64) as before, 3,585 B."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    _, mc = _resolve(
+        sglang_with_plugin,
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp"],
+    )
+    assert mc.full_attention_layer_ids == [0] and mc.swa_attention_layer_ids == [1, 2, 3, 4, 5, 6]
+    size = 4096
+    pool = SWAKVPool(
+        size=size,
+        size_swa=int(size * SWA_FULL_TOKENS_RATIO),
+        page_size=1,
+        dtype=torch.float32,
+        head_num=mc.get_num_kv_heads(1),
+        head_dim=mc.head_dim,
+        swa_attention_layer_ids=mc.swa_attention_layer_ids,
+        full_attention_layer_ids=mc.full_attention_layer_ids,
+        device="cpu",
+    )
+    now = sum(pool.get_kv_size_bytes()) / size
+    before = MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=1,
+        head_dim=64,  # the fixture's head dim, which SGLang used to size these buffers with
+        layer_num=7,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    was = sum(before.get_kv_size_bytes()) / size
+    print(f"SGLang's own KV buffers: {now:.1f} B/slot, before {was:.1f}")
+    assert now < 16 and was > 3584
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
 def test_without_model_impl_sglangs_own_v41_is_untouched(sglang_with_plugin) -> None:
     from sglang.srt.model_loader.utils import get_model_architecture
 
