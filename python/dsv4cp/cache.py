@@ -7,13 +7,16 @@ storage serves dsv4cp's own allocator and SGLang's radix cache (docs/caches.md):
   not held). With `window_slots=None` the table is the identity and every token slot keeps its
   key; with `window_slots=N` the pool holds N rows and `PagedAllocator` frees a request's pages
   once they are older than its window (the reference keeps a ring of `window_size` rows per
-  request: model.py `Attention.window_kv_cache`);
+  request: model.py `Attention.window_kv_cache`); with `swa_slots=N` an external allocator
+  owns the window (SGLang's hybrid-SWA allocator): the pool holds N rows and `swa_slot_map`
+  (token slot → SWA slot, 0: not held, SGLang's `full_to_swa_index_mapping`) finds them;
 - compressed keys and index keys, one pool each per kv source: entry j of ratio r at the slot of
   its block's last token ((j+1)·r − 1), stored at row slot // r when page_size is a multiple of r
   (slot ≡ position mod page_size, so each slot // r holds one entry; reference:
   `compress_kv_cache`, `Indexer.k_cache` of `max_seq_len // ratio` rows);
 - the ratio-2 pair state (fp32 kv and gate of an even token whose partner has not come yet): one
-  pending row per request with a window, else one row per token slot (reference:
+  pending row per request with a window, one row per SWA slot with `swa_slots` (the partner is
+  read only inside the window), else one row per token slot (reference:
   `Compressor.kv_state` / `score_state`, `ratio` rows per request);
 - `req_to_token [max_requests, max_context]`: position → slot per request row.
 
@@ -87,6 +90,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         req_to_token: Tensor | None = None,
+        swa_slots: int | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError("KVCache: num_slots must be >= 2 (slot 0 is the dummy slot)")
@@ -94,6 +98,11 @@ class KVCache:
             raise ValueError("KVCache: page_size must be >= 1")
         if window_slots is not None and window_slots < 1:
             raise ValueError(f"KVCache: window_slots must be >= 1 or None, got {window_slots}")
+        if swa_slots is not None and (swa_slots < 2 or window_slots is not None):
+            raise ValueError(
+                f"KVCache: swa_slots must be >= 2 (slot 0 is the dummy) and excludes "
+                f"window_slots, got swa_slots={swa_slots}, window_slots={window_slots}"
+            )
         self.config = config
         self.num_slots = num_slots
         self.page_size = page_size
@@ -104,6 +113,9 @@ class KVCache:
         # what readers see: the stored format, dense when values are stored
         self.formats = CacheFormats("dense", "dense", "dense") if store_values else self.numerics
         self.windowed = window_slots is not None
+        # swa_slots: an external allocator's SWA slots index the SWA and pair-state rows
+        self.swa_slots = swa_slots
+        self.swa_slot_map: Tensor | None = None
         self.num_pages = -(-num_slots // page_size)
         roles = config.layer_roles()
         self.kv_sources = {r.layer: r.ratio for r in roles if r.owns_compressor}
@@ -116,7 +128,14 @@ class KVCache:
             dt = dtype if fmt == "dense" else torch.uint8
             return torch.zeros(rows, width, dtype=dt, device=self.device)
 
-        if window_slots is None:
+        if swa_slots is not None:
+            swa_rows = swa_slots
+            table = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
+            # nothing held until the owner sets its map (`set_swa_slot_map`)
+            self.swa_slot_map = torch.zeros(1, dtype=torch.long, device=self.device).expand(
+                num_slots
+            )
+        elif window_slots is None:
             swa_rows = num_slots
             table = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
         else:
@@ -144,6 +163,8 @@ class KVCache:
         # windowed: one pending row per request row, then the dummy row
         self.pair_dummy_row = self.max_requests if self.windowed else 0
         pair_rows = self.max_requests + 1 if self.windowed else num_slots
+        if swa_slots is not None:
+            pair_rows = swa_slots
         d = config.head_dim
         self.pair_kv = {
             s: torch.zeros(pair_rows, d, dtype=torch.float32, device=self.device)
@@ -164,8 +185,29 @@ class KVCache:
         return row_bytes(self.formats.of(kind), self.dims()[kind], self.dtype)
 
     # ------------------------------------------------------------------ rows (on device)
+    def set_swa_slot_map(self, mapping: Tensor) -> None:
+        """`swa_slots` mode: token slot → SWA slot (0: not held; slot 0 → 0, the dummy row),
+        an entry for every slot the owner hands out. The owner's tensor is kept, not copied: its
+        in-place updates (allocation, window frees) are what the next forward reads."""
+        if self.swa_slots is None:
+            raise ValueError("KVCache.set_swa_slot_map: the cache was built without swa_slots")
+        if mapping.dim() != 1 or mapping.shape[0] < 2:
+            raise ValueError(
+                "KVCache.set_swa_slot_map: need a 1-d map with an entry per slot handed out, "
+                f"got shape {tuple(mapping.shape)}"
+            )
+        if mapping.device.type != self.device.type:
+            raise ValueError(
+                f"KVCache.set_swa_slot_map: map on {mapping.device}, cache on {self.device}"
+            )
+        self.swa_slot_map = mapping
+
     def swa_rows(self, slots: Tensor) -> Tensor:
-        """SWA pool rows of token slots (−1 for slot −1 or a page not held)."""
+        """SWA pool rows of token slots (−1 for slot −1 or a page / SWA slot not held)."""
+        if self.swa_slot_map is not None:
+            safe = slots.clamp(min=0)
+            rows = self.swa_slot_map[safe].to(slots.dtype)
+            return torch.where((slots >= 0) & ((rows > 0) | (safe == 0)), rows, -1)
         p = self.page_size
         safe = slots.clamp(min=0)
         page = self.swa_page_table[torch.div(safe, p, rounding_mode="floor")].long()
@@ -185,7 +227,7 @@ class KVCache:
         first = tok.pair_partner_from_state() & (tok.positions % 2 == 1)
         if self.windowed:
             return torch.where(first, tok.req_row, self.pair_dummy_row)
-        return torch.where(first, tok.slot_of(tok.positions - 1), 0)
+        return self._pair_rows(torch.where(first, tok.slot_of(tok.positions - 1), 0))
 
     def pair_write_rows(self, tok: TokenMeta) -> Tensor:
         """Windowed: the request's last token, when it is even (a later forward starts at its
@@ -195,7 +237,14 @@ class KVCache:
         if self.windowed:
             last = even & (tok.positions == tok.end - 1)
             return torch.where(last, tok.req_row, self.pair_dummy_row)
-        return torch.where(even, tok.slots, 0)
+        return self._pair_rows(torch.where(even, tok.slots, 0))
+
+    def _pair_rows(self, slots: Tensor) -> Tensor:
+        """Slot-indexed pair rows: the slot itself, or its SWA slot (`swa_slots` mode; a slot
+        not held reads and writes the dummy row 0; the engine checks reads are held)."""
+        if self.swa_slots is None:
+            return slots
+        return self.swa_rows(slots).clamp(min=0)
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, kind: CacheKind, x: Tensor) -> Tensor:
@@ -237,9 +286,10 @@ class KVCache:
             out[f"comp.{s}"] = self.decode("compressed", self.compressed[s][e])
             out[f"index_k.{s}"] = self.decode("index", self.index[s][e])
         if not self.windowed:
+            pair = self._pair_rows(slots)
             for s, t in self.pair_kv.items():
-                out[f"pair_kv.{s}"] = t[slots]
-                out[f"pair_gate.{s}"] = self.pair_gate[s][slots]
+                out[f"pair_kv.{s}"] = t[pair]
+                out[f"pair_gate.{s}"] = self.pair_gate[s][pair]
         return out
 
     def nbytes_by_kind(self) -> dict[str, int]:
@@ -291,6 +341,7 @@ def cache_bytes(
     page_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
     windowed: bool = True,
+    swa_full_ratio: float | None = None,
 ) -> CacheBytes:
     """What the caches of one request of `tokens` tokens take (bytes per kind).
 
@@ -302,25 +353,39 @@ def cache_bytes(
     entries (int32 per page), and the token id at each of its slots (int32, Engram's n-gram
     history). Equals what `KVCache` allocates for exactly this request, less
     the dummy page and dummy pair row (tests/test_cache.py checks it on the meta device).
+
+    `swa_full_ratio=R` (the SGLang integration's hybrid-SWA pools, `windowed` ignored): SWA
+    rows and ratio-2 pair rows per SWA slot, ⌊R · slots⌋ rounded down to pages, SGLang's SWA
+    pool for `slots` full slots (`--swa-full-tokens-ratio`): a pool's cost per token, whatever
+    it holds at the moment.
     """
     if tokens < 0:
         raise ValueError(f"cache_bytes: tokens must be >= 0, got {tokens}")
     if page_size < 1:
         raise ValueError(f"cache_bytes: page_size must be >= 1, got {page_size}")
+    if swa_full_ratio is not None and not 0 < swa_full_ratio <= 1:
+        raise ValueError(f"cache_bytes: swa_full_ratio must be in (0, 1], got {swa_full_ratio}")
     fmt = CacheFormats.for_quant(quant)
     c = config
     pages = -(-tokens // page_size)
     slots = pages * page_size
     roles = c.layer_roles()
-    swa_rows = swa_window_rows(tokens, c.sliding_window, page_size) if windowed else slots
-    swa_rows *= len(roles)
+    if swa_full_ratio is not None:
+        per_layer = int(slots * swa_full_ratio) // page_size * page_size
+        pair_per_source = per_layer
+    elif windowed:
+        per_layer = swa_window_rows(tokens, c.sliding_window, page_size)
+        pair_per_source = 1 if tokens else 0
+    else:
+        per_layer = pair_per_source = slots
+    swa_rows = per_layer * len(roles)
     comp_rows = 0
     pair_rows = 0
     for r in roles:
         if r.owns_compressor:
             comp_rows += slots // entry_div(r.ratio, page_size)
             if r.ratio == 2:
-                pair_rows += (1 if windowed and tokens else slots) * 2  # kv and gate
+                pair_rows += pair_per_source * 2  # kv and gate
     by_kind = {
         "swa_window": swa_rows * row_bytes(fmt.swa, c.head_dim, dtype),
         "compressed": comp_rows * row_bytes(fmt.compressed, c.head_dim, dtype),

@@ -161,15 +161,21 @@ def test_sync_req_to_token_copies_live_rows_only() -> None:
 )
 def test_hf_config_flattens_and_keeps_dsv4cp_config(tmp_path: Path) -> None:
     from dsv4cp.config import DeepseekV41Config
-    from dsv4cp.integrations.sglang.hf_config import Dsv4cpConfig
+    from dsv4cp.integrations.sglang.hf_config import POOL_HEAD_DIM, Dsv4cpConfig
 
     path = export_tiny(tmp_path / "ckpt", seed=0)
     raw = json.loads((path / "config.json").read_text())
     hf = Dsv4cpConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     assert hf.architectures == [ARCHITECTURE] and hf.num_key_value_heads == 1
-    assert (hf.hidden_size, hf.head_dim, hf.vocab_size) == (128, 96, 512)
+    assert (hf.hidden_size, hf.vocab_size) == (128, 512)
+    # SGLang sizes its unused KV buffers with head_dim; the model's dims are in dsv4cp_config
+    assert hf.head_dim == POOL_HEAD_DIM == 1
     assert not hasattr(hf, "text_config") or hf.text_config is None
-    assert DeepseekV41Config.from_hf(hf.dsv4cp_config) == DeepseekV41Config.tiny()
+    cfg = DeepseekV41Config.from_hf(hf.dsv4cp_config)
+    assert cfg == DeepseekV41Config.tiny() and cfg.head_dim == 96
+    # opted into SGLang's hybrid-SWA pools: one "full" layer, the rest sliding-window
+    assert hf.is_hybrid_swa and hf.sliding_window == cfg.sliding_window
+    assert hf.hybrid_layer_pattern == [0] + [1] * (hf.num_hidden_layers - 1)
 
 
 UPSTREAM_CONFIG = (
@@ -204,6 +210,8 @@ def test_upstream_config_becomes_a_text_only_dsv4cp_config() -> None:
     assert again.dsv4cp_config == hf.dsv4cp_config
     assert again.dsv4cp_quantization_config == hf.dsv4cp_quantization_config
     assert DeepseekV41Config.from_hf(hf.dsv4cp_config).num_hidden_layers == 7
+    assert (again.is_hybrid_swa, again.sliding_window, again.head_dim) == (True, 16, 1)
+    assert again.hybrid_layer_pattern == [0, 1, 1, 1, 1, 1, 1]
 
 
 @pytest.mark.skipif(

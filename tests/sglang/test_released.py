@@ -5,12 +5,16 @@
 layers that dsv4cp skips); dsv4cp serves it with its whole model in `qat` numerics (the
 checkpoint has a quantization_config) and quantized caches on SGLang's token slots.
 
-Two servers:
-- bf16 (the reference's dtype): greedy outputs equal `PrefillRunner` on the same checkpoint
-  (requests one at a time), DeepSeek's reference outputs through `dsv4cp accuracy --reference`
-  (prefill checks, greedy tokens up to a tie), the runner comparison of `dsv4cp accuracy`;
-- fp32: 32 concurrent requests with shared prefixes equal the same requests alone and the
-  runner's batch, and malformed requests get 4xx while the server keeps answering identically.
+Two servers, both on SGLang's hybrid-SWA pools (dsv4cp's SWA rows and ratio-2 pair state on
+SGLang's SWA slots, freed outside the window of 16 tokens; docs/sglang.md, *Caches*):
+- bf16 (the reference's dtype), dsv4cp's default `--swa-full-tokens-ratio` (409 SWA slots for
+  4096 token slots): greedy outputs equal `PrefillRunner` on the same checkpoint (requests one
+  at a time, chunked prefill, radix hits with their window held and a prefix hit whose window
+  was freed), DeepSeek's reference outputs through `dsv4cp accuracy --reference` (prefill
+  checks, greedy tokens up to a tie), the runner comparison of `dsv4cp accuracy`;
+- fp32, `--swa-full-tokens-ratio 0.05` (204 SWA slots): 32 concurrent requests with shared
+  prefixes (SWA eviction pressure) equal the same requests alone and the runner's batch, and
+  malformed requests get 4xx while the server keeps answering identically.
   (Concurrency on CPU in bf16 is not bitwise batch-invariant: torch's vectorised and scalar
   CPU kernels of `sigmoid` differ in the last fp32 bit, so a token's hyper-connection mixes
   depend on how many rows share the call; rounded to bf16 and quantized to fp8 that can flip a
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -44,11 +49,19 @@ REFERENCE = FIXTURE / "reference_outputs.safetensors"
 CONTEXT = 128  # the checkpoint's max_position_embeddings
 
 
-def _server(dtype: str, tmp_path_factory: pytest.TempPathFactory):
+def _server(dtype: str, tmp_path_factory: pytest.TempPathFactory, *extra: str):
     srv = Server(
         CKPT,
         tmp_path_factory.mktemp("logs") / f"released-{dtype}.log",
-        extra=("--model-impl", "dsv4cp", "--dtype", dtype, "--context-length", str(CONTEXT)),
+        extra=(
+            "--model-impl",
+            "dsv4cp",
+            "--dtype",
+            dtype,
+            "--context-length",
+            str(CONTEXT),
+            *extra,
+        ),
         env={"OMP_NUM_THREADS": "1"},  # a tiny model: threads cost more than they give
     )
     try:
@@ -65,7 +78,7 @@ def bf16_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fp32_server(tmp_path_factory: pytest.TempPathFactory):
-    yield from _server("float32", tmp_path_factory)
+    yield from _server("float32", tmp_path_factory, "--swa-full-tokens-ratio", "0.05")
 
 
 @pytest.fixture(scope="module")
@@ -190,17 +203,35 @@ def test_reference_greedy_tokens(bf16_server: Server) -> None:
 
 def test_greedy_matches_runner(bf16_server: Server, runner_of) -> None:
     """One request at a time (bitwise the runner's single requests): the reference prompt, a
-    short one, a chunked one (> --chunked-prefill-size 64) and a radix-cache hit."""
+    short one, a chunked one (> --chunked-prefill-size 64) decoding 40 tokens (SWA slots of
+    tokens older than the window of 16 freed and reused), radix hits whose window is held (the
+    first chunk's end, 64 tokens; a whole earlier request, 53 tokens: an odd prefix, its ratio-2
+    partner read from the pair state), and a prefix whose window was freed: SGLang's full slots
+    still hold the reference prompt's first 40 tokens, its SWA slots do not, so the hit is
+    shorter and the rest is recomputed."""
     ref_prompt = _reference()["input_ids"][0].tolist()
-    prompts = [ref_prompt, _ids(9, 2), _ids(100, 3), ref_prompt[:40] + _ids(7, 4)]
+    long, head = _ids(80, 3), ref_prompt[:40] + _ids(6, 5)
     generate = runner_of("bfloat16")
-    for i, p in enumerate(prompts):
-        out = _greedy(bf16_server, p, NEW_TOKENS)
-        assert out["output_ids"] == generate([p], NEW_TOKENS)[0], f"prompt {i} (len {len(p)})"
-    assert out["meta_info"]["cached_tokens"] >= 40, "no radix-cache hit on the prefix"
+
+    def check(p: list[int], n: int) -> tuple[list[int], int]:
+        out = _greedy(bf16_server, p, n)
+        assert out["output_ids"] == generate([p], n)[0], f"len {len(p)}"
+        return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+    check(ref_prompt, NEW_TOKENS)
+    check(_ids(9, 2), NEW_TOKENS)
+    check(long, 40)
+    assert check(long[:64] + _ids(7, 4), NEW_TOKENS)[1] == 64
+    head_out, cached = check(head, NEW_TOKENS)
+    assert cached < 40, "the prefix's window was freed: no hit at 40"
+    # the earlier request's prompt and outputs but its last (no KV yet): 46 + 7 = 53 tokens
+    assert check(head + head_out + _ids(2, 6), NEW_TOKENS)[1] == 53
     log = bf16_server.log_path.read_text(errors="replace")
     assert "dsv4cp: released-format checkpoint, quant=qat" in log
     assert "KV cache of" in log and "(qat numerics)" in log
+    # SGLang's hybrid-SWA pools: 409 SWA slots (4096 x 0.1), dsv4cp's SWA rows on them
+    assert "swa size: 409, full size: 4096" in log
+    assert "SWA rows 411 (qat numerics)" in log
     assert "skipping 169 DSpark tensors" in log and "25 vision tensors" in log
 
 
@@ -208,7 +239,9 @@ def test_greedy_matches_runner(bf16_server: Server, runner_of) -> None:
 def test_concurrent_requests_with_shared_prefixes(fp32_server: Server, runner_of) -> None:
     """32 requests in flight, 8 on each of 4 shared prefixes (odd and even lengths, one equal
     to the chunk size), equal the same requests alone and the runner's batch. Concurrently
-    first, on a flushed cache, so that prefixes are shared inside batches."""
+    first, on a flushed cache, so that prefixes are shared inside batches; the SWA pool fills
+    (SGLang queues, evicts the radix cache's SWA slots and retracts requests), and the
+    requests sent alone afterwards hit prefixes whose SWA slots were evicted and reused."""
     _flush(fp32_server)
     prefixes = [_ids(n, 200 + n) for n in (17, 30, 41, 64)]
     prompts = [p + _ids(1 + (5 * i) % 12, 300 + i) for p in prefixes for i in range(8)]
@@ -217,6 +250,11 @@ def test_concurrent_requests_with_shared_prefixes(fp32_server: Server, runner_of
     alone = [_greedy(fp32_server, p, 4)["output_ids"] for p in prompts]
     assert together == alone
     assert alone == runner_of("float32")(prompts, 4)
+    # under SWA pressure: 204 SWA slots (4096 x 0.05) for ~1,500 prompt tokens in flight
+    log = fp32_server.log_path.read_text(errors="replace")
+    assert "swa size: 204, full size: 4096" in log and "SWA rows 206 (qat numerics)" in log
+    usage = [float(u) for u in re.findall(r"swa token usage: ([0-9.]+)", log)]
+    assert max(usage) >= 0.9, usage
 
 
 BASELINE_PROMPT = [5, 6, 7]

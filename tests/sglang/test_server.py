@@ -180,7 +180,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(checkpoint, tmp_path_factory.mktemp("logs") / "server.log")
+    # SGLang's every-slot pools (the fallback): an SWA row per token slot, so radix prefixes of
+    # any length are shared, here an odd one (91 tokens; test_released.py runs hybrid SWA)
+    srv = Server(
+        checkpoint,
+        tmp_path_factory.mktemp("logs") / "server.log",
+        extra=("--disable-hybrid-swa-memory",),
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -232,6 +238,8 @@ def test_greedy_matches_runner(server: Server, checkpoint: Path, reference) -> N
         assert out["output_ids"] == want, f"prompt {i} (len {len(ids[i])})"
         assert out["meta_info"]["prompt_tokens"] == len(ids[i])
     assert outs[-1]["meta_info"]["cached_tokens"] >= CHUNK, "no radix-cache hit on the prefix"
+    log = server.log_path.read_text(errors="replace")
+    assert "SWAKVPool" not in log and "SWA rows per slot" in log
 
 
 def test_concurrent_requests_with_shared_prefixes(server: Server, reference) -> None:

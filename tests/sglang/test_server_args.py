@@ -16,6 +16,7 @@ import pytest
 
 from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
 from dsv4cp.integrations.sglang.server_args import (
+    SWA_FULL_TOKENS_RATIO,
     CPSettings,
     Dsv4cpServerArgsError,
     ModelOverrides,
@@ -156,6 +157,9 @@ def test_cp_flags_map_to_dsv4cp_cp(fields: dict, size: int) -> None:
         ({"is_embedding": True}, "--is-embedding"),
         ({"disaggregation_mode": "prefill"}, "disaggregation"),
         ({"enable_hisparse": True}, "hisparse"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache not supported"),
+        ({"enable_lmcache": True, "enable_flexkv": True}, "--enable-lmcache, --enable-flexkv"),
+        ({"enable_unified_memory": True}, "--enable-unified-memory"),
         ({"json_model_override_args": '{"num_hidden_layers": 2}'}, "--json-model-override-args"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"device": "cuda", "max_total_tokens": None}, "--max-total-tokens on CUDA"),
@@ -281,6 +285,71 @@ def test_cp_flags_through_sglangs_resolution(
     assert view.enable_prefill_cp is (size > 1) and view.attn_cp_size == size
     assert view.enable_cp_tp_group_sharing is (size > 1)
     assert SGLangCP(cp_settings_from_server_args(view)).settings.size == size
+    # SGLang's hybrid-SWA pools, the window the model's (16), dsv4cp's default SWA ratio
+    assert mc.is_hybrid_swa and mc.sliding_window_size == 16 and mc.head_dim == 1
+    assert view.swa_full_tokens_ratio == SWA_FULL_TOKENS_RATIO == 0.1
+
+
+@pytest.mark.parametrize(
+    ("argv", "hybrid", "ratio"),
+    [
+        (["--swa-full-tokens-ratio", "0.3"], True, 0.3),
+        (["--disable-hybrid-swa-memory"], False, SWA_FULL_TOKENS_RATIO),
+    ],
+)
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_swa_flags_are_the_users(
+    sglang_with_plugin, argv: list[str], hybrid: bool, ratio: float
+) -> None:
+    view, mc = _resolve(
+        sglang_with_plugin,
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp", *argv],
+    )
+    assert mc.is_hybrid_swa is hybrid and view.swa_full_tokens_ratio == ratio
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_sglangs_own_kv_buffers_cost_next_to_nothing(sglang_with_plugin) -> None:
+    """SGLang's KV pools of a dsv4cp-served model (never read) built with the geometry SGLang
+    derives from its config, at the released-fixture server's sizes (4096 slots, fp32): ~13 B
+    per token slot (head dim 1); with the model's head dim (64) as before, 3,585 B."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    _, mc = _resolve(
+        sglang_with_plugin,
+        ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp"],
+    )
+    assert mc.full_attention_layer_ids == [0] and mc.swa_attention_layer_ids == [1, 2, 3, 4, 5, 6]
+    size = 4096
+    pool = SWAKVPool(
+        size=size,
+        size_swa=int(size * SWA_FULL_TOKENS_RATIO),
+        page_size=1,
+        dtype=torch.float32,
+        head_num=mc.get_num_kv_heads(1),
+        head_dim=mc.head_dim,
+        swa_attention_layer_ids=mc.swa_attention_layer_ids,
+        full_attention_layer_ids=mc.full_attention_layer_ids,
+        device="cpu",
+    )
+    now = sum(pool.get_kv_size_bytes()) / size
+    before = MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=1,
+        head_dim=64,  # the fixture's head dim, which SGLang used to size these buffers with
+        layer_num=7,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    was = sum(before.get_kv_size_bytes()) / size
+    print(f"SGLang's own KV buffers: {now:.1f} B/slot, before {was:.1f}")
+    assert now < 16 and was > 3584
 
 
 @pytest.mark.sglang

@@ -4,11 +4,15 @@
 is tested on the GPU) with a stand-in ForwardBatch and no sglang installed:
 
 - the cache: dsv4cp's `KVCache` in the model's numerics (`quant="qat"`: fp8 SWA rows, fp4
-  compressed and index keys, docs/caches.md), one row per SGLang token slot (SGLang's allocator,
-  radix cache and `req_to_token` decide which slots a request holds; windowed SWA pages would
-  need to follow that allocator, which frees nothing per window), and `token_ids` at each slot
-  (Engram's n-gram history: written by the model's forward from the batch's ids at
-  `out_cache_loc`, read back through `req_to_token`, radix-shared prefixes included);
+  compressed and index keys, docs/caches.md) on SGLang's token slots (SGLang's allocator, radix
+  cache and `req_to_token` decide which slots a request holds). Compressed and index keys and
+  `token_ids` (Engram's n-gram history: written by the model's forward from the batch's ids at
+  `out_cache_loc`, read back through `req_to_token`, radix-shared prefixes included) have a row
+  per token slot. SWA rows and the ratio-2 pair state: with SGLang's hybrid-SWA pools (`SWAPool`:
+  its SWA allocator and SWA radix cache free the SWA slots of tokens outside the window) a row
+  per SGLang SWA slot, found through SGLang's full → SWA slot map; without them
+  (`--disable-hybrid-swa-memory`) a row per token slot. Before each forward the rows its
+  windows read are checked to be held (`check_window_held`);
 - the executors: `ExecutorFactory.choose` per forward (multistream policy, CUDA only);
 - graphs (CUDA, opt-in): `GraphRunner` buckets captured at the first forward that runs with a
   given CP group (every rank sees the same batch, so every rank captures together), replayed
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -36,7 +41,48 @@ from dsv4cp.policy import MultistreamPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServingEngine"]
+__all__ = ["SWAPool", "ServingEngine", "check_window_held"]
+
+
+@dataclass(frozen=True)
+class SWAPool:
+    """SGLang's hybrid-SWA pools as dsv4cp's cache uses them.
+
+    `rows`: SWA rows dsv4cp's cache needs (SGLang's SWA slots are 1..size_swa, plus page
+    padding; row 0 is the dummy); `mapping`: SGLang's `full_to_swa_index_mapping` (token slot →
+    SWA slot, 0 when the slot holds none), kept by reference: SGLang updates it in place."""
+
+    rows: int
+    mapping: Tensor
+
+
+def check_window_held(cache: KVCache, batch: SGLangBatch, window: int) -> None:
+    """Raise unless every cached position a request's new tokens read in their window (the
+    `window − 1` positions before its first new token, the ratio-2 partner among them) still
+    has its SWA row. SGLang's SWA radix cache matches only prefixes whose last window is held
+    and frees a running request's rows only behind its window, so this never fires unless that
+    contract breaks; it makes a break an error instead of a silently different output."""
+    if cache.swa_slot_map is None or not batch.req_rows:
+        return
+    rows: list[int] = []
+    positions: list[int] = []
+    for row, start in zip(batch.req_rows, batch.starts):
+        lo = max(0, start - window + 1)
+        rows += [row] * (start - lo)
+        positions += range(lo, start)
+    if not rows:
+        return
+    r2t = cache.req_to_token
+    r = torch.tensor(rows, dtype=torch.long, device=r2t.device)
+    p = torch.tensor(positions, dtype=torch.long, device=r2t.device)
+    held = cache.swa_rows(r2t[r, p]) > 0
+    if not bool(held.all()):
+        bad = int((~held).nonzero()[0, 0])
+        raise RuntimeError(
+            f"dsv4cp: request row {rows[bad]} reads position {positions[bad]} in its window "
+            "but SGLang's hybrid-SWA allocator no longer holds its SWA slot (the window would "
+            "read a freed row)"
+        )
 
 
 class ServingEngine:
@@ -72,7 +118,15 @@ class ServingEngine:
         self.cache: KVCache | None = None
 
     # ------------------------------------------------------------------ cache
-    def new_cache(self, num_slots: int, page_size: int, table_shape: tuple[int, int]) -> KVCache:
+    def new_cache(
+        self,
+        num_slots: int,
+        page_size: int,
+        table_shape: tuple[int, int],
+        swa_rows: int | None = None,
+    ) -> KVCache:
+        """`swa_rows`: SWA and pair-state rows indexed by SGLang's SWA slots (hybrid-SWA pools);
+        None: a row per token slot."""
         m = self.model
         rows, width = table_shape
         return KVCache(
@@ -84,52 +138,83 @@ class ServingEngine:
             page_size=page_size,
             device=m.device,
             dtype=m.dtype,
+            swa_slots=swa_rows,
         )
 
-    def cache_for(self, num_slots: int, page_size: int, req_to_token: Tensor) -> KVCache:
+    def cache_for(
+        self,
+        num_slots: int,
+        page_size: int,
+        req_to_token: Tensor,
+        swa: SWAPool | None = None,
+    ) -> KVCache:
         """The cache for SGLang's pools: `num_slots` token slots (slot 0 the dummy), a position
-        → slot table shaped like SGLang's `req_to_token` (dsv4cp's own int64 copy)."""
+        → slot table shaped like SGLang's `req_to_token` (dsv4cp's own int64 copy), SWA rows on
+        SGLang's SWA slots when `swa` is given."""
         shape = (int(req_to_token.shape[0]), int(req_to_token.shape[1]))
         cache = self.cache
-        if cache is not None and cache.num_slots >= num_slots and cache.req_to_token.shape == shape:
+        fits = cache is not None and cache.num_slots >= num_slots
+        if cache is not None and (cache.swa_slots is None) != (swa is None):
+            fits = False
+        if cache is not None and swa is not None and (cache.swa_slots or 0) < swa.rows:
+            fits = False
+        if fits and cache is not None and cache.req_to_token.shape == shape:
+            if swa is not None and cache.swa_slot_map is not swa.mapping:
+                cache.set_swa_slot_map(swa.mapping)
             return cache
         if self.graph_runners:
             raise ValueError(
                 "dsv4cp: SGLang's token pools changed after graphs were captured "
                 f"({cache.num_slots if cache else 0} slots → {num_slots}, table {shape})"
             )
-        if cache is not None and cache.num_slots >= num_slots:
+        if cache is not None and fits:
             table = torch.zeros(shape, dtype=torch.long, device=cache.device)
             cache.req_to_token = table
             cache.max_requests, cache.max_context = shape
         else:
             if cache is not None:
                 logger.warning(
-                    "dsv4cp: SGLang's pool holds %d slots, more than the %d allocated; "
-                    "reallocating",
+                    "dsv4cp: SGLang's pools (%d slots, SWA rows %s) do not fit the cache "
+                    "allocated (%d slots, SWA rows %s); reallocating",
                     num_slots,
+                    swa.rows if swa else "per slot",
                     cache.num_slots,
+                    cache.swa_slots or "per slot",
                 )
-            cache = self.cache = self.new_cache(num_slots, page_size, shape)
+            cache = self.cache = self.new_cache(
+                num_slots, page_size, shape, swa.rows if swa else None
+            )
+        if swa is not None:
+            cache.set_swa_slot_map(swa.mapping)
         by_kind = cache.nbytes_by_kind()
         logger.info(
-            "dsv4cp: KV cache of %d slots (%s numerics), %d request rows x %d positions: "
-            "%.1f MiB, %.0f B/slot",
+            "dsv4cp: KV cache of %d slots, SWA rows %s (%s numerics), %d request rows x %d "
+            "positions: %.1f MiB, %.0f B/slot (%s)",
             cache.num_slots,
+            cache.swa_slots or "per slot",
             cache.quant,
             *shape,
             sum(by_kind.values()) / 2**20,
             sum(by_kind.values()) / cache.num_slots,
+            ", ".join(f"{k} {v / cache.num_slots:.0f}" for k, v in by_kind.items()),
         )
         return cache
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, batch: SGLangBatch, req_to_token: Tensor, cp: CPGroup, *, num_slots: int, page: int
+        self,
+        batch: SGLangBatch,
+        req_to_token: Tensor,
+        cp: CPGroup,
+        *,
+        num_slots: int,
+        page: int,
+        swa: SWAPool | None = None,
     ) -> Tensor:
         """Global hidden rows [T, d] (before the final norm) of one SGLang forward."""
-        cache = self.cache_for(num_slots, page, req_to_token)
+        cache = self.cache_for(num_slots, page, req_to_token, swa)
         sync_req_to_token(cache.req_to_token, req_to_token, batch)
+        check_window_held(cache, batch, self.model.config.sliding_window)
         meta = build_metadata(
             batch.prefill_batch(), cache.req_to_token, batch.slots.to(cache.device), self.ratios
         )

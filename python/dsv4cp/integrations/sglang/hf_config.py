@@ -6,6 +6,14 @@ untouched in `dsv4cp_config` (the checkpoint's `text_config`), read back by the 
 `DeepseekV41Config.from_hf`; `rope_scaling` is kept out of the transformers fields on purpose, so
 transformers' RoPE standardisation never rewrites it.
 
+SGLang's memory pools: the config opts into SGLang's hybrid-SWA memory (`is_hybrid_swa`, read
+by `ModelConfig._derive_hybrid_model`): layer 0 counts as a "full" layer, the others as
+sliding-window layers of `sliding_window` tokens (the model's window), so SGLang allocates a
+full slot and an SWA slot per token and its SWA radix cache frees the SWA slots of tokens
+outside the window; dsv4cp keys its SWA rows on those SWA slots (docs/sglang.md, *Caches*).
+SGLang's own KV buffers are never read: `head_dim` is 1 for SGLang (`POOL_HEAD_DIM`), so they
+cost 2 elements per layer per slot; the model's head dims are in `dsv4cp_config`.
+
 Two sources: a dsv4cp export (`model_type` MODEL_TYPE, through `AutoConfig`), and an upstream
 DeepSeek-V4.1 `config.json` (`from_upstream`, for `--model-impl dsv4cp`). The upstream
 `quantization_config` is kept as `dsv4cp_quantization_config`, out of SGLang's sight (SGLang
@@ -26,12 +34,13 @@ _FLAT = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
-    "head_dim",
     "vocab_size",
     "intermediate_size",
     "max_position_embeddings",
     "rms_norm_eps",
 )
+# The head dim SGLang sizes its (unused) KV buffers with: one K and one V element per layer.
+POOL_HEAD_DIM = 1
 # Top-level upstream fields a text-only dsv4cp-served model does not expose to SGLang.
 _UPSTREAM_DROPPED = ("model_type", "vision_config", "image_token_id", "quantization_config")
 
@@ -59,6 +68,13 @@ class Dsv4cpConfig(PretrainedConfig):
         for k in _FLAT:
             if k in dsv4cp:
                 kwargs.setdefault(k, dsv4cp[k])
+        kwargs["head_dim"] = POOL_HEAD_DIM
+        layers = int(kwargs.get("num_hidden_layers") or 0)
+        window = dsv4cp.get("sliding_window")
+        if layers >= 2 and window:
+            kwargs["is_hybrid_swa"] = True
+            kwargs["sliding_window"] = int(window)
+            kwargs["hybrid_layer_pattern"] = [0] + [1] * (layers - 1)
         kwargs.pop("rope_scaling", None)
         kwargs.pop("rope_parameters", None)
         kwargs.setdefault("architectures", [ARCHITECTURE])

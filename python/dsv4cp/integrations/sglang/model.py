@@ -16,9 +16,9 @@ Numerics: `qat` (the reference's fp8/fp4 steps, quantized caches) for a checkpoi
 `quantization_config`, else `none`; `--json-model-override-args '{"dsv4cp_quant": "none"}'`
 picks the other mode (server_args.model_overrides).
 
-Forward: `ServingEngine` (engine.py, no sglang): caches on SGLang's token slots, executors,
-optional graphs. CP: `SGLangCP.from_runtime()` (cp.py) at construction, `group_for(batch)` per
-forward.
+Forward: `ServingEngine` (engine.py, no sglang): caches on SGLang's token slots (SWA rows on
+SGLang's SWA slots when its hybrid-SWA pools are on, `swa_pool_of`), executors, optional graphs.
+CP: `SGLangCP.from_runtime()` (cp.py) at construction, `group_for(batch)` per forward.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.integrations.sglang.cp import SGLangCP
-from dsv4cp.integrations.sglang.engine import ServingEngine
+from dsv4cp.integrations.sglang.engine import ServingEngine, SWAPool
 from dsv4cp.integrations.sglang.forward_batch import SGLangBatch, from_forward_batch
 from dsv4cp.integrations.sglang.server_args import (
     UPSTREAM_MODEL_TYPE,
@@ -80,6 +80,32 @@ def slot_count(pool: Any) -> tuple[int, int]:
     return int(pool.size) + 2 * page, page
 
 
+def _flag(bag: object, name: str) -> bool:
+    try:
+        return bool(getattr(bag, name, False))
+    except Exception:  # a config bag that does not carry the field
+        return False
+
+
+def swa_pool_of(pool: Any) -> SWAPool | None:
+    """SGLang's hybrid-SWA pools (an `SWAKVPool` whose allocator registered its full → SWA
+    slot map), or None (`--disable-hybrid-swa-memory`: a plain token pool)."""
+    mapping = getattr(pool, "full_to_swa_index_mapping", None)
+    size_swa = getattr(pool, "size_swa", None)
+    if mapping is None or size_swa is None:
+        return None
+    page = int(getattr(pool, "page_size", 1) or 1)
+    return SWAPool(int(size_swa) + 2 * page, mapping)
+
+
+def swa_rows_planned(max_total_tokens: int, page_size: int, ratio: float) -> int:
+    """The SWA rows SGLang's hybrid-SWA pool will have for `--max-total-tokens` and
+    `--swa-full-tokens-ratio` (`HybridSWAPoolConfigurator`: page-aligned full tokens times
+    the ratio, page-aligned), plus page padding as `swa_pool_of` counts them."""
+    full = max_total_tokens // page_size * page_size
+    return int(full * ratio) // page_size * page_size + 2 * page_size
+
+
 def dsv4cp_config_of(hf_config: object) -> DeepseekV41Config:
     """dsv4cp's config from the HF config SGLang built (hf_config.Dsv4cpConfig)."""
     raw = getattr(hf_config, "dsv4cp_config", None)
@@ -116,7 +142,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "checkpoint from a local directory (download it first)"
             )
         self.cp = SGLangCP(CPSettings())  # no CP unless SGLang published its CP flags
-        max_total_tokens, page_size, context = self._read_server_args()
+        max_total_tokens, page_size, context, swa_ratio = self._read_server_args()
         self.dsv4cp = DeepseekV41Model(
             self.dsv4cp_config,
             dtype=torch.get_default_dtype(),
@@ -146,18 +172,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         # Allocated now when the slot count is known, so that SGLang's memory profile (taken
         # after loading) counts it before sizing its own pool; else at the first forward.
         if max_total_tokens:
-            self._preallocate(max_total_tokens + 2 * page_size, page_size)
+            swa_rows = None
+            if swa_ratio is not None:
+                swa_rows = swa_rows_planned(max_total_tokens, page_size, swa_ratio)
+            self._preallocate(max_total_tokens + 2 * page_size, page_size, swa_rows)
 
     # ------------------------------------------------------------------ setup
-    def _read_server_args(self) -> tuple[int | None, int, int | None]:
-        """(max_total_tokens or None, page size, context length) from SGLang's published
+    def _read_server_args(self) -> tuple[int | None, int, int | None, float | None]:
+        """(max_total_tokens or None, page size, context length, the SWA pool's
+        `--swa-full-tokens-ratio` or None without hybrid-SWA pools) from SGLang's published
         config; the CP group from its CP flags."""
         try:
-            from sglang.srt.runtime_context import get_schedule
+            from sglang.srt.runtime_context import get_memory, get_schedule
 
             schedule = get_schedule()
         except Exception:  # not published (the class built by hand, outside a server)
-            return None, 1, None
+            return None, 1, None, None
         self.cp = SGLangCP.from_runtime()
         page_size = getattr(schedule, "page_size", None) or 1
         max_total = getattr(schedule, "max_total_tokens", None)
@@ -167,11 +197,15 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "before SGLang gives the rest of the memory to its own (unused) pool"
             )
         context = getattr(self.config, "max_position_embeddings", None)
-        return max_total, page_size, context
+        swa_ratio = None
+        disabled = any(_flag(bag, "disable_hybrid_swa_memory") for bag in (schedule, get_memory()))
+        if getattr(self.config, "is_hybrid_swa", False) and not disabled:
+            swa_ratio = float(schedule.swa_full_tokens_ratio)
+        return max_total, page_size, context, swa_ratio
 
-    def _preallocate(self, num_slots: int, page_size: int) -> None:
+    def _preallocate(self, num_slots: int, page_size: int, swa_rows: int | None) -> None:
         e = self.engine
-        e.cache = e.new_cache(num_slots, page_size, (1, 1))
+        e.cache = e.new_cache(num_slots, page_size, (1, 1), swa_rows)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -200,7 +234,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Global rows [T, d] after the last layer (before the final norm)."""
         pool, r2t = _pools(forward_batch)
         slots, page = slot_count(pool)
-        return self.engine.forward(batch, r2t, cp, num_slots=slots, page=page)
+        swa = swa_pool_of(pool)
+        return self.engine.forward(batch, r2t, cp, num_slots=slots, page=page, swa=swa)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch: Any, **_: object) -> Any:

@@ -33,6 +33,7 @@ __all__ = [
     "resolution_declarations",
     "dsv4cp_requested",
     "served_by_dsv4cp",
+    "SWA_FULL_TOKENS_RATIO",
 ]
 
 MODEL_IMPL = "dsv4cp"
@@ -42,6 +43,17 @@ UPSTREAM_MODEL_TYPE = "deepseek_v41"
 # nothing per batch, and SGLang turns its CUDA graphs off for it (they cannot record the
 # model's host-side metadata).
 ATTENTION_BACKEND = "torch_native"
+# SGLang's hybrid-SWA pool holds ratio × --max-total-tokens SWA slots (dsv4cp's SWA rows and
+# ratio-2 pair rows, ~33 KB per slot at Flash dims against ~0.9 KB per full slot); SGLang's
+# own V4 default when the ratio is not given. docs/sglang.md, *Caches*, says how to size it.
+SWA_FULL_TOKENS_RATIO = 0.1
+# SGLang flags that copy its KV pool to host or storage and back (dsv4cp's caches are not in it).
+HOST_KV_FLAGS = (
+    "enable_hierarchical_cache",
+    "enable_lmcache",
+    "enable_flexkv",
+    "enable_unified_cache_external_linker",
+)
 
 
 class Dsv4cpServerArgsError(ValueError):
@@ -297,6 +309,18 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         ),
         (bool(_get(args, "enable_hisparse", False)), "dsv4cp: --enable-hisparse is not supported"),
         (
+            any(_get(args, f, False) for f in HOST_KV_FLAGS),
+            "dsv4cp: "
+            + ", ".join("--" + f.replace("_", "-") for f in HOST_KV_FLAGS if _get(args, f, False))
+            + " not supported: they move SGLang's KV pool to and from host or storage, and "
+            "dsv4cp's caches are not in it",
+        ),
+        (
+            bool(_get(args, "enable_unified_memory", False)),
+            "dsv4cp: --enable-unified-memory is not supported (dsv4cp keys its SWA rows on "
+            "SGLang's hybrid-SWA allocator, tested with separate full and SWA pools)",
+        ),
+        (
             bad_overrides is not None,
             str(bad_overrides),
         ),
@@ -337,11 +361,15 @@ def resolution_declarations(args: Any) -> dict[str, Any]:
     """SGLang server-arg values a dsv4cp-served model needs (a model-override provider's dict).
 
     - attention_backend: torch_native (unused by dsv4cp; no per-batch planning, no CUDA graphs);
+    - swa_full_tokens_ratio: SWA_FULL_TOKENS_RATIO unless `--swa-full-tokens-ratio` is given
+      (SGLang's generic default, 0.8, would keep an SWA row for most token slots);
     - with CP: attn_cp_size = tp (the attention-CP group is the TP group, as for SGLang's V4),
       enable_cp_tp_group_sharing: SGLang's runner then hands the model the full batch instead
       of sharding the inputs itself (`EagerRunner._execute_extend`); dsv4cp splits it.
     """
     out: dict[str, Any] = {"attention_backend": ATTENTION_BACKEND}
+    if _get(args, "swa_full_tokens_ratio") is None:
+        out["swa_full_tokens_ratio"] = SWA_FULL_TOKENS_RATIO
     cp = cp_settings_from_server_args(args)
     if cp.enabled:
         out["attn_cp_size"] = cp.size
