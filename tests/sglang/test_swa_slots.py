@@ -22,7 +22,13 @@ import torch
 from dsv4cp.cache import KVCache, cache_bytes
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.group import SingleCPGroup
-from dsv4cp.integrations.sglang.engine import ServingEngine, SWAPool, check_window_held
+from dsv4cp.integrations.sglang.engine import (
+    WINDOW_CHECK_ENV,
+    ServingEngine,
+    SWAPool,
+    check_window_held,
+    window_check_enabled,
+)
 from dsv4cp.integrations.sglang.forward_batch import SGLangBatch, sync_req_to_token
 from dsv4cp.model import DeepseekV41Model
 
@@ -239,3 +245,18 @@ def test_sglang_pools_and_planned_rows() -> None:
     assert swa_pool_of(SimpleNamespace(size=4096)) is None  # --disable-hybrid-swa-memory
     assert swa_rows_planned(4096, 1, 0.1) == 411 and swa_rows_planned(4096, 1, 0.05) == 206
     assert swa_rows_planned(4096, 256, 0.1) == 256 + 512
+
+
+def test_window_check_runs_on_cpu_by_default_and_follows_the_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(WINDOW_CHECK_ENV, raising=False)
+    assert window_check_enabled(cpu) and not window_check_enabled(cuda)
+    monkeypatch.setenv(WINDOW_CHECK_ENV, "1")
+    assert window_check_enabled(cpu) and window_check_enabled(cuda)
+    monkeypatch.setenv(WINDOW_CHECK_ENV, "0")
+    assert not window_check_enabled(cpu) and not window_check_enabled(cuda)
+    monkeypatch.setenv(WINDOW_CHECK_ENV, "yes")
+    with pytest.raises(ValueError, match=WINDOW_CHECK_ENV):
+        window_check_enabled(cpu)

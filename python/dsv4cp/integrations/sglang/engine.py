@@ -23,6 +23,7 @@ is tested on the GPU) with a stand-in ForwardBatch and no sglang installed:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +42,9 @@ from dsv4cp.policy import MultistreamPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SWAPool", "ServingEngine", "check_window_held"]
+__all__ = ["SWAPool", "ServingEngine", "check_window_held", "window_check_enabled"]
+
+WINDOW_CHECK_ENV = "DSV4CP_CHECK_WINDOW"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,16 @@ class SWAPool:
 
     rows: int
     mapping: Tensor
+
+
+def window_check_enabled(device: torch.device) -> bool:
+    """Whether each forward runs `check_window_held`: DSV4CP_CHECK_WINDOW=1 / 0 forces it on /
+    off; unset, on for CPU and off for CUDA (the check syncs the host each forward and builds
+    W − 1 positions per request, which would stall SGLang's overlapped scheduling)."""
+    raw = os.environ.get(WINDOW_CHECK_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{WINDOW_CHECK_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1" if raw else device.type != "cuda"
 
 
 def check_window_held(cache: KVCache, batch: SGLangBatch, window: int) -> None:
@@ -214,7 +227,8 @@ class ServingEngine:
         """Global hidden rows [T, d] (before the final norm) of one SGLang forward."""
         cache = self.cache_for(num_slots, page, req_to_token, swa)
         sync_req_to_token(cache.req_to_token, req_to_token, batch)
-        check_window_held(cache, batch, self.model.config.sliding_window)
+        if window_check_enabled(cache.device):
+            check_window_held(cache, batch, self.model.config.sliding_window)
         meta = build_metadata(
             batch.prefill_batch(), cache.req_to_token, batch.slots.to(cache.device), self.ratios
         )
