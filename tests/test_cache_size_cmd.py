@@ -46,6 +46,22 @@ def test_config_path_quant_none_and_every_slot(capsys: pytest.CaptureFixture) ->
     assert fp32["by_kind"]["compressed"] == 2 * dense["by_kind"]["compressed"]
 
 
+def test_sglang_swa_pool_ratio(capsys: pytest.CaptureFixture) -> None:
+    """The served layout (docs/sglang.md, *Caches*): SWA rows and pair state on SGLang's SWA
+    pool of R · slots; between the windowed runner and a row per slot, growing with R."""
+    argv = ["--tokens", "128K", "--page-size", "256"]
+    out = _json([*argv, "--swa-full-ratio", "0.1"], capsys)
+    want = cache_bytes(DeepseekV41Config.flash(), 131072, page_size=256, swa_full_ratio=0.1)
+    assert out["by_kind"] == want.by_kind and out["swa"] == "SGLang SWA pool, ratio 0.1"
+    every = _json([*argv, "--every-slot"], capsys)
+    window = _json(argv, capsys)
+    half = _json([*argv, "--swa-full-ratio", "0.05"], capsys)
+    assert window["bytes_per_token"] < half["bytes_per_token"] < out["bytes_per_token"]
+    assert out["bytes_per_token"] < every["bytes_per_token"]
+    for kind in ("compressed", "index_keys"):
+        assert out["by_kind"][kind] == every["by_kind"][kind]
+
+
 def test_table(capsys: pytest.CaptureFixture) -> None:
     assert main(["cache-size", "--config", "tiny", "--tokens", "1000", "--page-size", "8"]) == 0
     text = capsys.readouterr().out
@@ -62,6 +78,10 @@ def test_table(capsys: pytest.CaptureFixture) -> None:
         (["--tokens", "5", "--quant", "fp8"], "--quant must be qat or none"),
         (["--tokens", "5", "--dtype", "fp16"], "--dtype must be bf16 or fp32"),
         (["--tokens", "5", "--config", "/no/such/dir"], "no config.json at /no/such/dir"),
+        (["--tokens", "5", "--swa-full-ratio", "0"], "--swa-full-ratio must be in (0, 1]"),
+        (["--tokens", "5", "--swa-full-ratio", "nan"], "--swa-full-ratio must be in (0, 1]"),
+        (["--tokens", "5", "--swa-full-ratio", "x"], "--swa-full-ratio must be in (0, 1]"),
+        (["--tokens", "5", "--swa-full-ratio", "0.1", "--every-slot"], "two different SWA"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001

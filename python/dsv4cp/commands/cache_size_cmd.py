@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="every token slot keeps its SWA key and pair state (what a prefix cache that may "
         "resume at any position needs: the SGLang integration) instead of the window",
     )
+    p.add_argument(
+        "--swa-full-ratio",
+        default=None,
+        help="served through SGLang with hybrid SWA: SWA rows and pair state on SGLang's SWA pool "
+        "of this share of the token slots (--swa-full-tokens-ratio; dsv4cp's default 0.1)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -71,6 +77,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--quant must be qat or none, got {args.quant!r}")
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
+    ratio = None
+    if args.swa_full_ratio is not None:
+        if args.every_slot:
+            raise UsageError("--swa-full-ratio and --every-slot are two different SWA layouts")
+        try:
+            ratio = float(args.swa_full_ratio)
+        except ValueError:
+            ratio = -1.0
+        if not 0 < ratio <= 1:
+            raise UsageError(f"--swa-full-ratio must be in (0, 1], got {args.swa_full_ratio!r}")
     try:
         config = _config(args.config)
     except (ValueError, OSError) as e:
@@ -82,13 +98,17 @@ def run(args: argparse.Namespace) -> int:
         page_size=page,
         dtype=DTYPES[args.dtype],
         windowed=not args.every_slot,
+        swa_full_ratio=ratio,
     )
+    swa = "every slot" if args.every_slot else "window"
+    if ratio is not None:
+        swa = f"SGLang SWA pool, ratio {ratio:g}"
     report = {
         "config": args.config,
         "tokens": tokens,
         "quant": args.quant,
         "page_size": page,
-        "swa": "every slot" if args.every_slot else "window",
+        "swa": swa,
         "bytes_total": plan.total,
         "bytes_per_token": plan.per_token,
         "by_kind": plan.by_kind,
