@@ -186,6 +186,28 @@ def test_pair_rows_windowed_and_per_slot() -> None:
             assert read == [14, 0, 0, 0, 0, 0, 0] and write == [0, 16, 0, 18, 30, 0, 32]
 
 
+@pytest.mark.parametrize("page", [1, 2])
+def test_pair_rows_on_swa_slots_halve_at_an_even_page_size(page: int) -> None:
+    """`swa_slots`: the pair row of a token is its SWA slot, halved at an even page size (even
+    positions hold even SWA slots there, so row swa_slot // 2 is one per even SWA slot)."""
+    batch = PrefillBatch(
+        (RequestSlice("a", 2, 5, tuple(range(4))), RequestSlice("b", 0, 0, tuple(range(3))))
+    )
+    cache = KVCache(TINY, 64, swa_slots=20, page_size=page, max_requests=4)
+    assert all(t.shape[0] == 20 // page for t in cache.pair_kv.values())
+    cache.req_to_token[2, :9] = torch.arange(10, 19)
+    cache.req_to_token[0, :3] = torch.arange(30, 33)
+    mapping = torch.zeros(64, dtype=torch.long)
+    mapping[10:19] = torch.arange(4, 13)  # position p of a on SWA slot 4 + p
+    mapping[30:33] = torch.arange(14, 17)
+    cache.set_swa_slot_map(mapping)
+    tok = _meta(batch, cache, [15, 16, 17, 18, 30, 31, 32])
+    read, write = cache.pair_read_rows(tok).tolist(), cache.pair_write_rows(tok).tolist()
+    # a reads its partner 4 (SWA slot 8); 6, 8 of a and 0, 2 of b write (SWA 10, 12, 14, 16)
+    assert read == [8 // page, 0, 0, 0, 0, 0, 0]
+    assert write == [0, 10 // page, 0, 12 // page, 14 // page, 0, 16 // page]
+
+
 def test_meta_device_cache_and_its_views() -> None:
     cache = _flash_cache_for(4096, 64)
     assert cache.swa[0].device.type == "meta" and cache.swa[0].shape[1] == 528

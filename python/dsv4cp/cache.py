@@ -15,9 +15,12 @@ storage serves dsv4cp's own allocator and SGLang's radix cache (docs/caches.md):
   (slot ≡ position mod page_size, so each slot // r holds one entry; reference:
   `compress_kv_cache`, `Indexer.k_cache` of `max_seq_len // ratio` rows);
 - the ratio-2 pair state (fp32 kv and gate of an even token whose partner has not come yet): one
-  pending row per request with a window, one row per SWA slot with `swa_slots` (the partner is
-  read only inside the window), else one row per token slot (reference:
-  `Compressor.kv_state` / `score_state`, `ratio` rows per request);
+  pending row per request with a window; with `swa_slots` (the partner is read only inside the
+  window) one row per even SWA slot, row swa_slot // 2, at an even page size (SGLang's paged
+  SWA allocator keeps swa_slot ≡ position mod page, so only even SWA slots hold even
+  positions; the SGLang engine checks it), one row per SWA slot at an odd page size; else one
+  row per token slot (reference: `Compressor.kv_state` / `score_state`, `ratio` rows per
+  request);
 - `req_to_token [max_requests, max_context]`: position → slot per request row.
 
 Storage formats follow the quant mode (`ops.kv_format`): `none` keeps dense rows in the cache
@@ -163,8 +166,10 @@ class KVCache:
         # windowed: one pending row per request row, then the dummy row
         self.pair_dummy_row = self.max_requests if self.windowed else 0
         pair_rows = self.max_requests + 1 if self.windowed else num_slots
+        # swa_slots at an even page size: even SWA slots only (row swa_slot // 2)
+        self.pair_div = 2 if swa_slots is not None and page_size % 2 == 0 else 1
         if swa_slots is not None:
-            pair_rows = swa_slots
+            pair_rows = -(-swa_slots // self.pair_div)
         d = config.head_dim
         self.pair_kv = {
             s: torch.zeros(pair_rows, d, dtype=torch.float32, device=self.device)
@@ -241,10 +246,16 @@ class KVCache:
 
     def _pair_rows(self, slots: Tensor) -> Tensor:
         """Slot-indexed pair rows: the slot itself, or its SWA slot (`swa_slots` mode; a slot
-        not held reads and writes the dummy row 0; the engine checks reads are held)."""
+        not held reads and writes the dummy row 0; the engine checks reads are held), halved at
+        an even page size (`pair_div`: an even position's SWA slot is even, so each even SWA
+        slot has its own row; an odd slot aliases its even neighbour's row, which only
+        `slot_view` reads; the engine checks the parity, `check_pair_parity`)."""
         if self.swa_slots is None:
             return slots
-        return self.swa_rows(slots).clamp(min=0)
+        rows = self.swa_rows(slots).clamp(min=0)
+        if self.pair_div == 1:
+            return rows
+        return torch.div(rows, self.pair_div, rounding_mode="floor")
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, kind: CacheKind, x: Tensor) -> Tensor:
@@ -274,7 +285,8 @@ class KVCache:
     def slot_view(self, slots: Tensor) -> dict[str, Tensor]:
         """fp32 key values at these token slots per cache (what comparisons by position read):
         SWA keys (0 where not held), compressed and index rows, and the pair state when it is
-        slot-indexed. Rows of slots that are not entry slots alias a neighbour's entry."""
+        slot-indexed. Rows of slots that are not entry slots alias a neighbour's entry (so do
+        the pair rows of odd SWA slots at an even page size)."""
         zero = torch.zeros((), device=slots.device)
         out: dict[str, Tensor] = {}
         rows = self.swa_rows(slots)
@@ -355,9 +367,10 @@ def cache_bytes(
     the dummy page and dummy pair row (tests/test_cache.py checks it on the meta device).
 
     `swa_full_ratio=R` (the SGLang integration's hybrid-SWA pools, `windowed` ignored): SWA
-    rows and ratio-2 pair rows per SWA slot, ⌊R · slots⌋ rounded down to pages, SGLang's SWA
-    pool for `slots` full slots (`--swa-full-tokens-ratio`): a pool's cost per token, whatever
-    it holds at the moment.
+    rows per SWA slot, ⌊R · slots⌋ rounded down to pages, SGLang's SWA pool for `slots` full
+    slots (`--swa-full-tokens-ratio`), and ratio-2 pair rows per even SWA slot at an even page
+    size (half the SWA slots), per SWA slot at an odd one (`KVCache.pair_div`): a pool's cost
+    per token, whatever it holds at the moment.
     """
     if tokens < 0:
         raise ValueError(f"cache_bytes: tokens must be >= 0, got {tokens}")
@@ -372,7 +385,7 @@ def cache_bytes(
     roles = c.layer_roles()
     if swa_full_ratio is not None:
         per_layer = int(slots * swa_full_ratio) // page_size * page_size
-        pair_per_source = per_layer
+        pair_per_source = per_layer // 2 if page_size % 2 == 0 else per_layer
     elif windowed:
         per_layer = swa_window_rows(tokens, c.sliding_window, page_size)
         pair_per_source = 1 if tokens else 0

@@ -11,8 +11,11 @@ is tested on the GPU) with a stand-in ForwardBatch and no sglang installed:
   per token slot. SWA rows and the ratio-2 pair state: with SGLang's hybrid-SWA pools (`SWAPool`:
   its SWA allocator and SWA radix cache free the SWA slots of tokens outside the window) a row
   per SGLang SWA slot, found through SGLang's full → SWA slot map; without them
-  (`--disable-hybrid-swa-memory`) a row per token slot. Before each forward the rows its
-  windows read are checked to be held (`check_window_held`);
+  (`--disable-hybrid-swa-memory`) a row per token slot. At an even page size the pair state
+  has a row per even SWA slot only (`KVCache.pair_div`: SGLang's paged SWA allocator keeps
+  swa_slot ≡ position mod page). Before each forward (`window_check_enabled`) the rows its
+  windows read are checked to be held (`check_window_held`) and the SWA slots of the even
+  positions it writes or reads in the pair state to be even (`check_pair_parity`);
 - the executors: `ExecutorFactory.choose` per forward (multistream policy, CUDA only);
 - graphs (CUDA, opt-in): `GraphRunner` buckets captured at the first forward that runs with a
   given CP group (every rank sees the same batch, so every rank captures together), replayed
@@ -42,7 +45,13 @@ from dsv4cp.policy import MultistreamPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SWAPool", "ServingEngine", "check_window_held", "window_check_enabled"]
+__all__ = [
+    "SWAPool",
+    "ServingEngine",
+    "check_pair_parity",
+    "check_window_held",
+    "window_check_enabled",
+]
 
 WINDOW_CHECK_ENV = "DSV4CP_CHECK_WINDOW"
 
@@ -60,9 +69,10 @@ class SWAPool:
 
 
 def window_check_enabled(device: torch.device) -> bool:
-    """Whether each forward runs `check_window_held`: DSV4CP_CHECK_WINDOW=1 / 0 forces it on /
-    off; unset, on for CPU and off for CUDA (the check syncs the host each forward and builds
-    W − 1 positions per request, which would stall SGLang's overlapped scheduling)."""
+    """Whether each forward runs `check_window_held` and `check_pair_parity`:
+    DSV4CP_CHECK_WINDOW=1 / 0 forces them on / off; unset, on for CPU and off for CUDA (the
+    checks sync the host each forward and build W − 1 positions per request, which would stall
+    SGLang's overlapped scheduling)."""
     raw = os.environ.get(WINDOW_CHECK_ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{WINDOW_CHECK_ENV} must be 0 or 1, got {raw!r}")
@@ -95,6 +105,37 @@ def check_window_held(cache: KVCache, batch: SGLangBatch, window: int) -> None:
             f"dsv4cp: request row {rows[bad]} reads position {positions[bad]} in its window "
             "but SGLang's hybrid-SWA allocator no longer holds its SWA slot (the window would "
             "read a freed row)"
+        )
+
+
+def check_pair_parity(cache: KVCache, batch: SGLangBatch) -> None:
+    """Raise unless every even position whose pair row this forward writes (its new even
+    tokens) or reads (the partner `start − 1` of an odd start) has an even SWA slot, when the
+    cache halves the pair state (`pair_div` 2, an even page size). SGLang's paged SWA allocator
+    hands a request page-aligned SWA slots in step with its positions (swa_slot ≡ position mod
+    page), so this never fires unless that breaks; an odd slot would share its row with the
+    even slot below it and another request's pair state could overwrite it."""
+    if cache.pair_div == 1 or not batch.req_rows:
+        return
+    positions: list[int] = []
+    for start, n in zip(batch.starts, batch.new_lens):
+        positions += range(start, start + n)
+    pos = torch.tensor(positions, dtype=torch.long, device=cache.device)
+    slots = batch.slots.to(cache.device).long()
+    reads = [(row, s - 1) for row, s, n in zip(batch.req_rows, batch.starts, batch.new_lens)]
+    reads = [(row, p) for row, p in reads if p >= 0 and p % 2 == 0]
+    if reads:
+        r, p = (torch.tensor(v, dtype=torch.long, device=cache.device) for v in zip(*reads))
+        pos = torch.cat([pos, p])
+        slots = torch.cat([slots, cache.req_to_token[r, p]])
+    swa = cache.swa_rows(slots)
+    bad = (pos % 2 == 0) & (swa > 0) & (swa % 2 == 1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"dsv4cp: even position {int(pos[i])} has the odd SWA slot {int(swa[i])} (page "
+            f"size {cache.page_size}): the pair state, a row per even SWA slot, assumes "
+            "SGLang's SWA slots keep the position's parity"
         )
 
 
@@ -229,6 +270,7 @@ class ServingEngine:
         sync_req_to_token(cache.req_to_token, req_to_token, batch)
         if window_check_enabled(cache.device):
             check_window_held(cache, batch, self.model.config.sliding_window)
+            check_pair_parity(cache, batch)
         meta = build_metadata(
             batch.prefill_batch(), cache.req_to_token, batch.slots.to(cache.device), self.ratios
         )
