@@ -12,9 +12,11 @@ SGLang's SWA slots, freed outside the window of 16 tokens; docs/sglang.md, *Cach
   at a time, chunked prefill, radix hits with their window held and a prefix hit whose window
   was freed), DeepSeek's reference outputs through `dsv4cp accuracy --reference` (prefill
   checks, greedy tokens up to a tie), the runner comparison of `dsv4cp accuracy`;
-- fp32, `--swa-full-tokens-ratio 0.05` (204 SWA slots): 32 concurrent requests with shared
-  prefixes (SWA eviction pressure) equal the same requests alone and the runner's batch, and
-  malformed requests get 4xx while the server keeps answering identically.
+- fp32, `--swa-full-tokens-ratio 0.05 --page-size 16` (192 SWA slots; an even page size, so the
+  ratio-2 pair state is indexed by swa_slot // 2 and its parity checked every forward): 32
+  concurrent requests with shared prefixes (SWA eviction pressure) equal the same requests alone
+  and the runner's batch, and malformed requests get 4xx while the server keeps answering
+  identically.
   (Concurrency on CPU in bf16 is not bitwise batch-invariant: torch's vectorised and scalar
   CPU kernels of `sigmoid` differ in the last fp32 bit, so a token's hyper-connection mixes
   depend on how many rows share the call; rounded to bf16 and quantized to fp8 that can flip a
@@ -78,7 +80,9 @@ def bf16_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fp32_server(tmp_path_factory: pytest.TempPathFactory):
-    yield from _server("float32", tmp_path_factory, "--swa-full-tokens-ratio", "0.05")
+    yield from _server(
+        "float32", tmp_path_factory, "--swa-full-tokens-ratio", "0.05", "--page-size", "16"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -250,9 +254,10 @@ def test_concurrent_requests_with_shared_prefixes(fp32_server: Server, runner_of
     alone = [_greedy(fp32_server, p, 4)["output_ids"] for p in prompts]
     assert together == alone
     assert alone == runner_of("float32")(prompts, 4)
-    # under SWA pressure: 204 SWA slots (4096 x 0.05) for ~1,500 prompt tokens in flight
+    # under SWA pressure: 192 SWA slots (4096 x 0.05 in pages of 16; dsv4cp's pool adds two
+    # pages) for ~1,500 prompt tokens in flight
     log = fp32_server.log_path.read_text(errors="replace")
-    assert "swa size: 204, full size: 4096" in log and "SWA rows 206 (qat numerics)" in log
+    assert "swa size: 192, full size: 4096" in log and "SWA rows 224 (qat numerics)" in log
     usage = [float(u) for u in re.findall(r"swa token usage: ([0-9.]+)", log)]
     assert max(usage) >= 0.9, usage
 
