@@ -105,3 +105,20 @@ def test_workspace_decode_compiles_for_sm90(fmt: int) -> None:
     d = 128 if fmt == 3 else 512
     const = dict(D=d, D_PAD=d, BLOCK_R=16, FMT=fmt, RNE=False)
     _compile(m._decode_gather_kernel, ["*u8", "*i32", "*bf16", "i32", "i32", "i32"], const, 4, 1)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
+    """`indexer_logits_cached` shares the heads loop (`index_score.add_heads`, its pipelining
+    left to the compiler) with the scan kernel: fp4 index keys decoded on load, bf16 wgmma."""
+    from dsv4cp.kernels import indexer_logits_cached as m
+    from dsv4cp.kernels.kv_decode import FORMAT_CODES
+
+    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
+    types = ["*bf16", "*fp32", "*u8", "*i64", "*i32", "*i32", "*fp32"] + ["i32"] * 9
+    const = dict(
+        D=128, H_PAD=64, BLOCK_T=block_t, BLOCK_N=block_n, FMT=FORMAT_CODES["fp4_ue8m0_32"],
+        QAT=qat, UPCAST=False, DOT_PREC="tf32", RNE=False,
+    )  # fmt: skip
+    ptx = _compile(m._mqa_logits_cached_kernel, types, const, warps, stages)
+    assert "wgmma.mma_async" in ptx

@@ -37,3 +37,34 @@ def index_score(acc, QAT: tl.constexpr, RNE: tl.constexpr):
         return to_dtype(acc, tl.bfloat16, RNE).to(tl.float32)
     else:
         return acc
+
+
+@triton.jit
+def add_heads(
+    acc,
+    q_ptrs,
+    w_ptrs,
+    kt,
+    row_mask,
+    H,
+    stride_qh,
+    QAT: tl.constexpr,
+    RNE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """acc + Σ_h head_term(q_h · kt, w_h), heads in order 0…H−1: q_ptrs [rows, D] and w_ptrs
+    [rows] point at head 0 (next head: + stride_qh and + 1), kt [D, cols] the key tile, rows
+    outside row_mask read zeros; one tensor-core product per head. STAGES: the loop's
+    software-pipelining depth (None: the compiler's default)."""
+    for _ in tl.range(0, H, num_stages=STAGES):
+        qh = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)
+        wh = tl.load(w_ptrs, mask=row_mask, other=0.0)
+        if UPCAST:
+            qh = qh.to(tl.float32)
+        s = tl.dot(qh, kt, input_precision=DOT_PREC)
+        acc += head_term(s, wh[:, None], QAT, RNE)
+        q_ptrs += stride_qh
+        w_ptrs += 1
+    return acc

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import interpreting
-from dsv4cp.kernels.index_score import head_term, index_score
+from dsv4cp.kernels.index_score import add_heads, head_term, index_score
 from dsv4cp.kernels.kv_decode import FORMAT_CODES, load_key_rows
 from dsv4cp.ops.kv_format import check_format, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -90,15 +90,9 @@ def _mqa_logits_cached_kernel(
                 kt = kt.to(q_ptr.dtype.element_ty)  # decoded values are exact in bf16
             q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
             w_ptrs = w_ptr + rows.to(tl.int64) * stride_wt
-            for _ in range(0, H):
-                qh = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-                wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
-                if UPCAST:
-                    qh = qh.to(tl.float32)
-                s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                acc += head_term(s, wh[:, None], QAT, RNE)
-                q_ptrs += stride_qh
-                w_ptrs += 1
+            acc = add_heads(
+                acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, RNE, UPCAST, DOT_PREC, None
+            )
         acc = index_score(acc, QAT, RNE)
         visible = cols[None, :] < nvis[:, None]
         tl.store(

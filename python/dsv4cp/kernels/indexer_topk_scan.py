@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels.index_score import head_term, index_score
+from dsv4cp.kernels.index_score import add_heads, index_score
 from dsv4cp.kernels.running_topk import cut_block
 from dsv4cp.kernels.topk import _sortable
 
@@ -77,15 +77,9 @@ def scan_kernel(
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
             w_ptrs = w_ptr + rows64 * stride_wt
-            for _ in tl.range(0, H, num_stages=STAGES):
-                qh = tl.load(q_ptrs, mask=active[:, None], other=0.0)
-                wh = tl.load(w_ptrs, mask=active, other=0.0)
-                if UPCAST:
-                    qh = qh.to(tl.float32)
-                s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                acc += head_term(s, wh[:, None], QAT, RNE)
-                q_ptrs += stride_qh
-                w_ptrs += 1
+            acc = add_heads(
+                acc, q_ptrs, w_ptrs, kt, active, H, stride_qh, QAT, RNE, UPCAST, DOT_PREC, STAGES
+            )
             acc = index_score(acc, QAT, RNE)
             vis = active[:, None] & (cols[None, :] < nv[:, None])
             if BLOCK_MAX:
