@@ -67,8 +67,11 @@ def test_workspace_on_the_gpu_is_exact() -> None:
     v = both >= 0
     assert torch.equal(idx >= 0, v)
     assert torch.equal(kv[idx[v].long()].float(), keys[both[v]])
-    distinct = int(both[v].unique().numel())
-    assert int(idx.max()) == distinct - 1
+    w = win.shape[1]  # each source's rows are numbered 0…n−1 in row order after its offset
+    for part, named in ((idx[:, :w], win), (idx[:, w:], top)):
+        got = part[part >= 0].unique()
+        n = int(named[named >= 0].unique().numel())
+        assert got.numel() == n and int(got[-1] - got[0]) == n - 1
 
 
 @pytest.mark.parametrize("quant", ["none", "qat"])

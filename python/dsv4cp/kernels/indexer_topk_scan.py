@@ -100,11 +100,13 @@ def scan_kernel(
                 elig = vis & (member != 0) & (acc > float("-inf"))
             key = _sortable(acc)  # acc starts at +0.0 and adds products: never -0.0
             take = elig & (key > tau[:, None])
-            n_take = tl.sum(take.to(tl.int32), 1)
+            take_i = take.to(tl.int32)  # the stores mask with take_i != 0, not take: Triton 3.6
+            # (the device's) failed to compile this kernel (block max + qat) with mask=take
+            n_take = tl.sum(take_i, 1)
             if tl.max(n_take, 0) > 0:
-                at = slots[:, None] * CAP + cnt[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-                tl.store(sk_ptr + at, key, mask=take)
-                tl.store(si_ptr + at, cols[None, :] + tl.zeros_like(key), mask=take)
+                at = slots[:, None] * CAP + cnt[:, None] + tl.cumsum(take_i, 1) - 1
+                tl.store(sk_ptr + at, key, mask=take_i != 0)
+                tl.store(si_ptr + at, cols[None, :] + tl.zeros_like(key), mask=take_i != 0)
                 cnt += n_take
                 if tl.max(cnt, 0) > CAP - BLOCK_N:  # a buffer could overflow at the next tile
                     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
