@@ -20,8 +20,9 @@ of 32 experts, so it is not captured). No Engram (its 189 GiB tables) and vocab 
   fp64 loop, minutes at these dims): relative rms of the final hidden rows and logits, top-1
   agreement, and per block the share of tokens whose chosen experts agree. bf16 rounding flips
   a few tokens' expert choices (an O(1) change of that token's MoE output that later layers
-  carry on), so `equal_up_to_bf16` asks: experts agree for >= 90 % of tokens in every block, and
-  the tokens that agreed in every block are within 2e-2 relative rms.
+  carry on), so `equal_up_to_bf16` asks: in every block >= 90 % of the tokens that agreed in all
+  earlier blocks agree again, and the tokens that agreed in every block are within 2e-2
+  relative rms.
 - `--quant` (default qat, the released numerics) is the mode timed.
 
     PYTHONPATH=python python -m benchmarks.model_layers --tokens 4096,16384 \
@@ -174,7 +175,9 @@ def check_paths(model: DeepseekV41Model, tokens: int) -> dict[str, Any]:
         for a, b in zip(fast_routes, ref_routes)
     ]
     agree = torch.ones(tokens, dtype=torch.bool, device=dev)
-    for rows in same_rows:
+    given_earlier = []  # per block: of the tokens that agreed in every earlier block, the share
+    for rows in same_rows:  # that agrees here (the fresh flips, not the carried ones)
+        given_earlier.append(float(rows[agree].float().mean()) if agree.any() else 0.0)
         agree &= rows
     res: dict[str, Any] = {
         "check_tokens": tokens,
@@ -183,6 +186,7 @@ def check_paths(model: DeepseekV41Model, tokens: int) -> dict[str, Any]:
         "logits_top1_agree": float((lg_fast.argmax(-1) == lg_ref.argmax(-1)).float().mean()),
         "moe_calls": [len(fast_routes), len(ref_routes)],
         "experts_agree_per_block": [float(r.float().mean()) for r in same_rows],
+        "experts_agree_given_earlier": given_earlier,
         "tokens_agreeing_everywhere": float(agree.float().mean()),
     }
     if agree.any():
@@ -191,10 +195,11 @@ def check_paths(model: DeepseekV41Model, tokens: int) -> dict[str, Any]:
             (lg_fast[agree].argmax(-1) == lg_ref[agree].argmax(-1)).float().mean()
         )
     # equal up to bf16: the tokens whose experts agreed everywhere within 2e-2 rms, and the
-    # flips a small share in every block (they are bf16 rounding at the selection's cut)
+    # fresh flips of every block under 10 % (bf16 rounding at the selection's cut; a flipped
+    # token's changed keys and values then move its neighbours' inputs in later blocks)
     res["equal_up_to_bf16"] = (
         len(fast_routes) == len(ref_routes) > 0
-        and min(res["experts_agree_per_block"]) >= 0.9
+        and min(given_earlier) >= 0.9
         and res.get("hidden_rms_rel_agreeing", 1.0) <= 2e-2
     )
     return res
