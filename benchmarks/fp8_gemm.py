@@ -1,10 +1,13 @@
-"""The qat projection GEMM three ways at the Flash attention layer's shapes (16K tokens):
+"""The qat projection GEMM at the Flash attention layer's shapes (16K tokens), four ways:
 
-- `triton`: `kernels.fp8_linear` (per-32 activation quantization, the block-scaled GEMM walking K
-  in steps of 32: a bf16 MMA per step, both scales applied to each partial, fp32 out);
-- `dequant_mm`: the same activation quantization, its codes × scales as bf16 (exact), times the
-  weight dequantized to bf16 once (exact: e4m3 × a power of two), one cuBLAS bf16 GEMM with fp32
-  accumulation; the same products, summed in cuBLAS's order;
+- `triton`: `kernels.fp8_linear.launch_fp8_linear` (per-32 activation quantization, the
+  block-scaled GEMM walking K in steps of 32: a bf16 MMA per step, both scales applied to each
+  partial, fp32 out);
+- `dequant_mm`: `kernels.fp8_linear.dequant_mm`, what `fp8_linear` runs for ≥ 512 bf16 rows: the
+  same activation quantization, codes × scales as bf16 (exact), the weight dequantized to bf16
+  in the call (exact), one cuBLAS bf16 GEMM with fp32 accumulation;
+- `predequant_mm`: the same with the weight dequantized once, outside the timing (what the
+  2026-12-03 run measured as `dequant_mm`);
 - `bf16_mm`: the cuBLAS bf16 GEMM alone (the floor `layer_peer.py` uses).
 
 Prints a table (ms, TFLOP/s, ratios, max |Δ| of `dequant_mm` against `triton` relative to the
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
-from dsv4cp.kernels.fp8_linear import act_quant_fp8, fp8_linear
+from dsv4cp.kernels.fp8_linear import act_quant_fp8, dequant_mm, launch_fp8_linear
 from dsv4cp.ops.linear import WEIGHT_BLOCK, dequant_fp8_blocks, quantize_fp8_blocks
 from dsv4cp.ops.quant import scale_to_float
 
@@ -35,7 +38,7 @@ SHAPES = [
 ]
 
 
-def dequant_mm(x: torch.Tensor, w_bf16: torch.Tensor) -> torch.Tensor:
+def predequant_mm(x: torch.Tensor, w_bf16: torch.Tensor) -> torch.Tensor:
     codes, scale = act_quant_fp8(x, WEIGHT_BLOCK)
     a = codes.view(x.shape[0], -1, WEIGHT_BLOCK).to(torch.bfloat16)
     a = (a * scale_to_float(scale).to(torch.bfloat16)[..., None]).view(x.shape)
@@ -58,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         w, w_scale = quantize_fp8_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         w_bf16 = dequant_fp8_blocks(w, w_scale).bfloat16()
         flops = 2.0 * m * n * k
-        ref = fp8_linear(x, w, w_scale)
-        alt = dequant_mm(x, w_bf16)
+        ref = launch_fp8_linear(x, w, w_scale)
+        alt = dequant_mm(x, w, w_scale)
         rel = float((alt.float() - ref.float()).abs().max() / ref.float().abs().max())
         ms = {
-            "triton": time_cuda(partial(fp8_linear, x, w, w_scale), iters=args.iters),
-            "dequant_mm": time_cuda(partial(dequant_mm, x, w_bf16), iters=args.iters),
+            "triton": time_cuda(partial(launch_fp8_linear, x, w, w_scale), iters=args.iters),
+            "dequant_mm": time_cuda(partial(dequant_mm, x, w, w_scale), iters=args.iters),
+            "predequant_mm": time_cuda(partial(predequant_mm, x, w_bf16), iters=args.iters),
             "bf16_mm": time_cuda(partial(torch.mm, x, w_bf16.t()), iters=args.iters),
         }
         row: dict[str, Any] = {"gemm": name, "tokens": m, "K": k, "N": n}

@@ -55,6 +55,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     # the q tail and the attention output's inverse: one pass over the tail, in place
     "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
+    # the routed experts' fp4 weights, chunk by chunk before each grouped GEMM
+    "dequant_fp4": (ops.dequant_fp4, "dsv4cp.kernels.fp4_dequant"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -136,6 +138,7 @@ index_key = _route("index_key")
 rope_index_queries = _route("rope_index_queries")
 rope_tail_ = _route("rope_tail_")
 fp8_linear = _route("fp8_linear")
+dequant_fp4 = _route("dequant_fp4")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -149,6 +152,7 @@ __all__ = [
     "candidate_blocks",
     "compressed_key",
     "compressed_latent",
+    "dequant_fp4",
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",

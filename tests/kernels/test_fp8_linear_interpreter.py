@@ -20,7 +20,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "quant_golden.safetensors"
-CASES = ("act_quant_golden", "act_quant_shapes", "gemm_golden", "gemm_odd_shapes")
+CASES = (
+    "act_quant_golden",
+    "act_quant_shapes",
+    "gemm_golden",
+    "gemm_odd_shapes",
+    "gemm_cublas_path",
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +127,41 @@ def _child_cases() -> dict[str, object]:
             )
             assert got.shape == (1, m, n)
             _within_gemm_bound(got[0], x, w, s)
+
+    def gemm_cublas_path() -> None:
+        """`dequant_mm` (the large-GEMM path: exact bf16 operands, one bf16 matmul, here CPU's):
+        within one bf16 rounding of the twin past the fp32 sums' bound in any order, K·2⁻²⁴·Σ|ab|;
+        `fp8_linear` picks it by size and flag."""
+        torch.manual_seed(2)
+        for m, n, k in ((64, 80, 96), (600, 130, 256)):
+            x = torch.randn(m, k).bfloat16()
+            w = (torch.randn(n, k) * 64).to(torch.float8_e4m3fn)
+            s = torch.randint(118, 124, ops_linear.fp8_scale_shape(n, k), dtype=torch.uint8)
+            s = s.view(torch.float8_e8m0fnu)
+            got = kernel.dequant_mm(x, w, s)
+            want = ops_linear.fp8_linear(x, w, s)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            a = ops_quant.fake_act_quant_fp8(x.float())
+            bound = k * 2.0**-24 * (a.abs() @ ops_linear.dequant_fp8_blocks(w, s).abs().t())
+            big = torch.maximum(got.float().abs(), want.float().abs())
+            ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
+            assert bool(((got.float() - want.float()).abs() <= bound + ulp).all())
+        x, w = torch.randn(600, 96).bfloat16(), torch.zeros(64, 96).to(torch.float8_e4m3fn)
+        s = torch.full(ops_linear.fp8_scale_shape(64, 96), 127, dtype=torch.uint8)
+        s = s.view(torch.float8_e8m0fnu)
+        assert kernel._gemm_backend(x, torch.bfloat16) == "triton"  # the interpreter: Triton
+        os.environ[kernel.FP8_GEMM_FLAG] = "cublas"
+        try:
+            assert kernel._gemm_backend(x[:1], torch.float32) == "cublas"
+            assert torch.equal(kernel.fp8_linear(x, w, s), kernel.dequant_mm(x, w, s))
+            os.environ[kernel.FP8_GEMM_FLAG] = "fast"
+            try:
+                kernel.fp8_linear(x, w, s)
+                raise AssertionError("a bad flag must be refused")
+            except ValueError as e:
+                assert "DSV4CP_FP8_GEMM" in str(e)
+        finally:
+            del os.environ[kernel.FP8_GEMM_FLAG]
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

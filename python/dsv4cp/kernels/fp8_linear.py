@@ -16,9 +16,20 @@ reduced fp8 accumulation precision. The bf16 step is not yet measured on a GPU.
 The scaling (powers of two) and the ordered fp32 accumulation are the same. The tile is written
 in fp32 and cast to the output dtype by torch (round to nearest even, also under the CPU
 interpreter).
+
+Large bf16 GEMMs (≥ `CUBLAS_MIN_ROWS` rows, bf16 out) go to cuBLAS instead (`dequant_mm`): the
+quantized activations as bf16 (codes × power-of-two scale: exact), times the weight dequantized
+to bf16 for the call (exact), one bf16 GEMM with fp32 accumulation. The same exact products,
+summed in cuBLAS's order instead of K order: the fp32 sums differ by rounding (≤ K·2⁻²⁴·Σ|ab|),
+so a bf16 output can sit one rounding away from the Triton kernel's. Measured on the H200
+(`benchmarks/fp8_gemm.py`, 16K rows at the attention's shapes): this kernel 114–122 TFLOP/s,
+`dequant_mm` 314–745 (2.7–6.3× faster), within one bf16 rounding of it. `DSV4CP_FP8_GEMM=triton`
+keeps this kernel for every size, `=cublas` takes cuBLAS for every size.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -158,12 +169,59 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+FP8_GEMM_FLAG = "DSV4CP_FP8_GEMM"
+CUBLAS_MIN_ROWS = 512  # below it the weight's per-call dequantization is not paid back
+
+
+def _gemm_backend(x: Tensor, out_dtype: torch.dtype) -> str:
+    mode = os.environ.get(FP8_GEMM_FLAG, "auto")
+    if mode not in ("auto", "triton", "cublas"):
+        raise ValueError(f"{FP8_GEMM_FLAG} must be auto, triton or cublas, got {mode!r}")
+    if mode != "auto":
+        return mode
+    rows = x.numel() // max(x.shape[-1], 1)
+    big = rows >= CUBLAS_MIN_ROWS and x.dtype == out_dtype == torch.bfloat16
+    return "cublas" if big and not interpreting() else "triton"
+
+
 def fp8_linear(
     x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
 ) -> Tensor:
     """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
-    x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float)."""
+    x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float). Large
+    bf16 GEMMs take cuBLAS over exact bf16 operands (module docstring)."""
+    if _gemm_backend(x, out_dtype or x.dtype) == "cublas":
+        return dequant_mm(x, w, w_scale, out_dtype=out_dtype)
     return launch_fp8_linear(x, w, w_scale, out_dtype=out_dtype)
+
+
+def _check_gemm_args(x: Tensor, w: Tensor, w_scale: Tensor) -> tuple[int, int]:
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+        raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if tuple(w_scale.shape) != fp8_scale_shape(n, k):
+        raise ValueError(
+            f"fp8_linear: scale shape {tuple(w_scale.shape)} != expected {fp8_scale_shape(n, k)}"
+        )
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x last dim {x.shape[-1]} != weight in_features {k}")
+    return n, k
+
+
+def dequant_mm(
+    x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """fp8_linear through cuBLAS: act_quant_fp8's codes × scales and the weight's codes × block
+    scales as exact bf16 operands, one bf16 GEMM (fp32 accumulation in cuBLAS's order)."""
+    n, k = _check_gemm_args(x, w, w_scale)
+    codes, a_scale = act_quant_fp8(x.reshape(-1, k), WEIGHT_BLOCK)
+    m, kb = codes.shape[0], k // WEIGHT_BLOCK
+    a = codes.view(m, kb, WEIGHT_BLOCK).to(torch.bfloat16)
+    a = (a * scale_to_float(a_scale).to(torch.bfloat16)[..., None]).view(m, k)
+    row_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n, :kb]
+    b = w.to(torch.bfloat16).view(n, kb, WEIGHT_BLOCK) * row_scale.to(torch.bfloat16)[..., None]
+    out = torch.mm(a, b.view(n, k).t())
+    return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
 
 
 def launch_fp8_linear(
@@ -175,15 +233,7 @@ def launch_fp8_linear(
     config: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """fp8_linear with an explicit (BLOCK_M, BLOCK_N, num_warps, num_stages) (benchmarks)."""
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
-    n, k = w.shape
-    if tuple(w_scale.shape) != fp8_scale_shape(n, k):
-        raise ValueError(
-            f"fp8_linear: scale shape {tuple(w_scale.shape)} != expected {fp8_scale_shape(n, k)}"
-        )
-    if x.shape[-1] != k:
-        raise ValueError(f"fp8_linear: x last dim {x.shape[-1]} != weight in_features {k}")
+    n, k = _check_gemm_args(x, w, w_scale)
     codes, a_scale = act_quant_fp8(x.reshape(-1, k), WEIGHT_BLOCK)
     m = codes.shape[0]
     w = w if w.stride(-1) == 1 else w.contiguous()

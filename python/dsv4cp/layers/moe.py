@@ -19,6 +19,7 @@ from dsv4cp.ops.moe_experts import GroupedBackend, clamped_swiglu
 from dsv4cp.ops.moe_routing import MoeSpec, route
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
+from dsv4cp.routing import dequant_fp4 as routed_dequant_fp4
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 _UE8M0_ONE = 127
@@ -131,6 +132,7 @@ class MoE(nn.Module):
             quant=quant,
             backend=backend,
             shared_mlp=lambda y: self.shared_mlp(y, quant),
+            dequant=routed_dequant_fp4,
         )
 
     def _forward_ep(
@@ -159,8 +161,8 @@ class MoE(nn.Module):
         pairs = plan.order[: sum(splits[ep.rank])]
         rows = ep_pack(x, routing, row_ids, pairs, per_rank)
         received = ep.all_to_all(rows, splits, tag=f"{tag}/ep_dispatch")
-        stacks = tuple(self.stack(n) for n in _PROJECTIONS)
-        out = ep_local_experts(received, x.dtype, stacks, spec, quant, backend)  # type: ignore[arg-type]
+        stacks = (self.stack("w1"), self.stack("w3"), self.stack("w2"))
+        out = ep_local_experts(received, x.dtype, stacks, spec, quant, backend, routed_dequant_fp4)
         back = [list(col) for col in zip(*splits)]  # the transposed matrix: results go home
         pair_out = ep.all_to_all(out, back, tag=f"{tag}/ep_combine")
         per_token = ep_per_token(pair_out, pairs, x.shape[0], spec.num_experts_per_tok)

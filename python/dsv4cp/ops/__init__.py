@@ -20,7 +20,7 @@ from dsv4cp.ops.indexer_topk import (
     mqa_topk_cached,
     mqa_topk_candidates,
 )
-from dsv4cp.ops.linear import fp8_linear
+from dsv4cp.ops.linear import dequant_fp4, fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output, grouped_wo_a
@@ -36,6 +36,7 @@ __all__ = [
     "check_quant_mode",
     "compressed_key",
     "compressed_latent",
+    "dequant_fp4",
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",

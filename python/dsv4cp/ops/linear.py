@@ -109,8 +109,8 @@ def dequant_fp8_rows(values: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -
     return rows.flatten(-2)
 
 
-def dequant_fp4(packed: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Tensor:
-    """Packed fp4 weight [N, K/2] with scales [N, K/block] -> fp32 [N, K] (exact)."""
+def check_fp4_weight(packed: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> tuple[int, int]:
+    """(N, K) of a packed fp4 weight [N, K/2] with scales [N, K/block]; a ValueError otherwise."""
     if packed.dtype not in FP4_WEIGHT_DTYPES or packed.dim() != 2:
         raise ValueError(
             f"dequant_fp4: packed must be 2-D int8/uint8/float4_e2m1fn_x2, got {packed.dtype} "
@@ -118,7 +118,20 @@ def dequant_fp4(packed: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Ten
         )
     n, k = packed.shape[0], 2 * packed.shape[1]
     _check_scale(scale, fp4_scale_shape(n, k, block), "dequant_fp4")
-    return unpack_fp4(packed) * scale_to_float(scale).repeat_interleave(block, 1)
+    return n, k
+
+
+def dequant_fp4(
+    packed: Tensor,
+    scale: Tensor,
+    block: int = WEIGHT_BLOCK,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Packed fp4 weight [N, K/2] with scales [N, K/block] -> out_dtype [N, K] (exact in fp32 and
+    bf16). Kernel twin: `kernels.fp4_dequant.dequant_fp4` (routed: `routing.dequant_fp4`)."""
+    check_fp4_weight(packed, scale, block)
+    return (unpack_fp4(packed) * scale_to_float(scale).repeat_interleave(block, 1)).to(out_dtype)
 
 
 def _block_scaled_matmul(

@@ -10,7 +10,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dsv4cp.ops.moe_experts import GroupedBackend, grouped_expert_mlp
+from dsv4cp.ops.linear import dequant_fp4
+from dsv4cp.ops.moe_experts import Dequant, GroupedBackend, grouped_expert_mlp
 from dsv4cp.ops.moe_routing import MoeSpec, Routing
 from dsv4cp.ops.moe_weights import ExpertStack
 from dsv4cp.ops.quant import QuantMode
@@ -98,6 +99,7 @@ def ep_local_experts(
     spec: MoeSpec,
     quant: QuantMode,
     backend: GroupedBackend = "auto",
+    dequant: Dequant = dequant_fp4,
 ) -> Tensor:
     """The received pairs (`pack_pairs` rows, grouped by source rank) through this rank's
     experts → outputs x.dtype [n, d] in the received order. Each expert's rows are ordered by
@@ -117,6 +119,7 @@ def ep_local_experts(
         swiglu_limit=spec.swiglu_limit,
         quant=quant,
         backend=backend,
+        dequant=dequant,
     )
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted

@@ -5,6 +5,7 @@ graph capture. Every GEMM goes through ``dsv4cp.ops.linear.linear``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -16,6 +17,9 @@ from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight, stack_shape
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 
 GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
+# (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]: `ops.linear.dequant_fp4` or its
+# routed kernel (`routing.dequant_fp4`, which the layer passes; ops do not import routing)
+Dequant = Callable[..., Tensor]
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -51,9 +55,11 @@ def _grouped_projection(
     counts: Tensor,
     quant: QuantMode,
     expert_chunk: int,
+    dequant: Dequant,
 ) -> Tensor:
     """x [P, K] sorted by expert → [P, N]: one ``torch._grouped_mm`` per chunk of experts over
-    their weights dequantized to x.dtype (exact: e2m1·2^k and e4m3·2^k fit bf16)."""
+    their weights dequantized to x.dtype by ``dequant`` (exact: e2m1·2^k and e4m3·2^k fit
+    bf16)."""
     n_experts, n_out, k_half = stack.weight.shape
     xq = fake_act_quant_fp8(x) if quant == "qat" else x
     out = x.new_empty(x.shape[0], n_out)
@@ -61,11 +67,8 @@ def _grouped_projection(
         e1 = min(n_experts, e0 + expert_chunk)
         start = 0 if e0 == 0 else ends[e0 - 1]  # type: ignore[index]
         stop = x.shape[0] if e1 == n_experts else ends[e1 - 1]  # type: ignore[index]
-        w = (
-            dequant_fp4(stack.weight[e0:e1].reshape(-1, k_half), stack.scale[e0:e1].flatten(0, 1))
-            .view(e1 - e0, n_out, 2 * k_half)
-            .to(x.dtype)
-        )
+        packed, scale = stack.weight[e0:e1].reshape(-1, k_half), stack.scale[e0:e1].flatten(0, 1)
+        w = dequant(packed, scale, out_dtype=x.dtype).view(e1 - e0, n_out, 2 * k_half)
         offs = counts[e0:e1].cumsum(0).to(torch.int32)
         out[start:stop] = torch._grouped_mm(xq[start:stop], w.transpose(-2, -1), offs=offs)
     return out
@@ -83,6 +86,7 @@ def grouped_expert_mlp(
     quant: QuantMode,
     backend: GroupedBackend = "auto",
     expert_chunk: int = 32,
+    dequant: Dequant = dequant_fp4,
 ) -> Tensor:
     """Routed experts over token rows already sorted by expert: rows [offs[e-1], offs[e]) of
     x_sorted [P, d] go to expert e, where offs = cumsum(counts [E]). Returns x.dtype [P, d].
@@ -120,10 +124,11 @@ def grouped_expert_mlp(
     if backend == "grouped_mm":
         # chunk boundaries need host offsets; a single chunk needs none (no device sync)
         ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
-        h1 = _grouped_projection(x_sorted, w1, ends, counts, quant, expert_chunk)
-        h3 = _grouped_projection(x_sorted, w3, ends, counts, quant, expert_chunk)
+        chunking = (ends, counts, quant, expert_chunk, dequant)
+        h1 = _grouped_projection(x_sorted, w1, *chunking)
+        h3 = _grouped_projection(x_sorted, w3, *chunking)
         h = route_weight.float().unsqueeze(-1) * clamped_swiglu(h1, h3, swiglu_limit)
-        return _grouped_projection(h.to(x_sorted.dtype), w2, ends, counts, quant, expert_chunk)
+        return _grouped_projection(h.to(x_sorted.dtype), w2, *chunking)
     if backend != "loop":
         raise ValueError(
             f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"
