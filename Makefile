@@ -40,8 +40,12 @@ test-sglang: install-sglang
 
 # On a CUDA machine (not in CI): the tests marked gpu (kernels against their twins, the model
 # against DeepSeek's reference with the kernels, fake-CP streams and graphs).
+# one pytest per file: each file's failure report prints as it ends, so a run cut off by a time
+# limit still shows the reasons of the files it finished
 test-gpu: install
-	$(PY) -m pytest -q -m gpu tests
+	@rc=0; for f in $$(grep -rlE "mark\.gpu|pytest\.mark\.gpu" tests --include='test_*.py' | sort); do \
+		$(PY) -m pytest -q -m gpu -rfE --tb=short $$f || [ $$? -eq 5 ] || rc=1; \
+	done; exit $$rc
 
 lint: install
 	$(VENV)/bin/ruff check python tests benchmarks
