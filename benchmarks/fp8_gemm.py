@@ -26,9 +26,13 @@ from typing import Any
 import torch
 
 from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
-from dsv4cp.kernels.fp8_linear import act_quant_fp8, dequant_mm, launch_fp8_linear
-from dsv4cp.ops.linear import WEIGHT_BLOCK, dequant_fp8_blocks, quantize_fp8_blocks
-from dsv4cp.ops.quant import scale_to_float
+from dsv4cp.kernels.fp8_linear import (
+    dequant_mm,
+    dequant_weight_bf16,
+    launch_fp8_linear,
+    quantized_act_bf16,
+)
+from dsv4cp.ops.linear import quantize_fp8_blocks
 
 # (name, tokens, K, N): wq_a+wkv (5120 → 1280 + 512), wq_b (1280 → 64·512), wo_b (8192 → 5120)
 SHAPES = [
@@ -39,10 +43,7 @@ SHAPES = [
 
 
 def predequant_mm(x: torch.Tensor, w_bf16: torch.Tensor) -> torch.Tensor:
-    codes, scale = act_quant_fp8(x, WEIGHT_BLOCK)
-    a = codes.view(x.shape[0], -1, WEIGHT_BLOCK).to(torch.bfloat16)
-    a = (a * scale_to_float(scale).to(torch.bfloat16)[..., None]).view(x.shape)
-    return torch.mm(a, w_bf16.t())
+    return torch.mm(quantized_act_bf16(x), w_bf16.t())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         w, w_scale = quantize_fp8_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02)
-        w_bf16 = dequant_fp8_blocks(w, w_scale).bfloat16()
+        w_bf16 = dequant_weight_bf16(w, w_scale)
         flops = 2.0 * m * n * k
         ref = launch_fp8_linear(x, w, w_scale)
         alt = dequant_mm(x, w, w_scale)

@@ -214,14 +214,24 @@ def dequant_mm(
     """fp8_linear through cuBLAS: act_quant_fp8's codes × scales and the weight's codes × block
     scales as exact bf16 operands, one bf16 GEMM (fp32 accumulation in cuBLAS's order)."""
     n, k = _check_gemm_args(x, w, w_scale)
-    codes, a_scale = act_quant_fp8(x.reshape(-1, k), WEIGHT_BLOCK)
-    m, kb = codes.shape[0], k // WEIGHT_BLOCK
-    a = codes.view(m, kb, WEIGHT_BLOCK).to(torch.bfloat16)
-    a = (a * scale_to_float(a_scale).to(torch.bfloat16)[..., None]).view(m, k)
-    row_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n, :kb]
-    b = w.to(torch.bfloat16).view(n, kb, WEIGHT_BLOCK) * row_scale.to(torch.bfloat16)[..., None]
-    out = torch.mm(a, b.view(n, k).t())
+    out = torch.mm(quantized_act_bf16(x.reshape(-1, k)), dequant_weight_bf16(w, w_scale).t())
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
+
+
+def quantized_act_bf16(x: Tensor) -> Tensor:
+    """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact)."""
+    codes, scale = act_quant_fp8(x, WEIGHT_BLOCK)
+    a = codes.view(x.shape[0], -1, WEIGHT_BLOCK).to(torch.bfloat16)
+    return (a * scale_to_float(scale).to(torch.bfloat16)[..., None]).view(x.shape)
+
+
+def dequant_weight_bf16(w: Tensor, w_scale: Tensor) -> Tensor:
+    """fp8 weight [N, K] (K a multiple of 32) × its 32×32 block scales → bf16 [N, K] (exact),
+    without the fp32 copy of `ops.linear.dequant_fp8_blocks`."""
+    n, k = w.shape
+    row_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n]
+    b = w.to(torch.bfloat16).view(n, -1, WEIGHT_BLOCK) * row_scale.to(torch.bfloat16)[..., None]
+    return b.view(n, k)
 
 
 def launch_fp8_linear(
