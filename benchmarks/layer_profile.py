@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import defaultdict
 
 import torch
 
@@ -20,12 +21,40 @@ from benchmarks.layer_peer import build_layers, make_context
 from dsv4cp.config import DeepseekV41Config
 
 
+def by_stage(events: list, rows: int) -> dict[str, list[dict[str, object]]]:
+    """CUDA time per (innermost enclosing dsv4cp stage, launching op, kernel): each kernel is
+    charged to the nearest `record_function` range above the CPU event that launched it."""
+    acc: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if not e.kernels or e.is_user_annotation:
+            continue
+        p, where = e.cpu_parent, "-"
+        while p is not None:
+            if p.is_user_annotation:
+                where = p.name
+                break
+            p = p.cpu_parent
+        for k in e.kernels:
+            acc[(where, e.name, k.name)][0] += k.duration / 1e3
+            acc[(where, e.name, k.name)][1] += 1
+    out: dict[str, list[dict[str, object]]] = defaultdict(list)
+    total: dict[str, float] = defaultdict(float)
+    for (where, op, kernel), (ms, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
+        total[where] += ms
+        if len(out[where]) < rows:
+            out[where].append({"op": op, "kernel": kernel[:90], "cuda_ms": ms, "calls": n})
+    order = sorted(total, key=lambda w: -total[w])
+    head = {"op": "(all)", "kernel": "(stage total)"}
+    return {w: [{**head, "cuda_ms": total[w]}, *out[w]] for w in order}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--layers", default="0,2", help="comma list of Flash layer ids")
     ap.add_argument("--quant", choices=["qat", "none"], default="qat")
     ap.add_argument("--rows", type=int, default=15)
+    ap.add_argument("--stage-rows", type=int, default=6, help="kernels listed per stage")
     ap.add_argument("--out", default="out/layer_profile.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -37,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.5
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     result: dict[str, object] = {"tokens": args.tokens, "quant": args.quant, "layers": {}}
+    by_stage_all: dict[str, object] = {}
     with torch.inference_mode():
         ctx = make_context(cfg, 0, args.tokens, "cuda", torch.bfloat16, args.quant)
         for i in ids:  # in order: each layer reads what the earlier ones left in ctx
@@ -52,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
             result["layers"][str(i)] = [  # type: ignore[index]
                 {"name": e.key, "cuda_ms": e.device_time_total / 1e3, "calls": e.count} for e in top
             ]
+            stages = by_stage(list(prof.events()), args.stage_rows)
+            print(f"layer {i}: CUDA time by stage (the {args.stage_rows} largest kernels each)")
+            for where, kernels in stages.items():
+                print(f"  {where}: {float(kernels[0]['cuda_ms']):.3f} ms")
+                for k in kernels[1:]:
+                    ms, n, op = float(k["cuda_ms"]), k["calls"], str(k["op"])[:28]
+                    print(f"      {ms:8.3f} ms  x{n!s:<3} {op:28}  {k['kernel']}")
+            by_stage_all[str(i)] = stages
+    result["by_stage"] = by_stage_all
     write_json(args.out, {"benchmark": "layer_profile", **result, "device": device_info()})
     print(f"wrote {args.out}")
     return 0
