@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
+from benchmarks.profile_stages import by_stage
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.observe.timing import StageTimer
@@ -228,6 +229,32 @@ def measure(model: DeepseekV41Model, tokens: int, iters: int, device: str) -> di
     return row
 
 
+def profile_stages(model: DeepseekV41Model, tokens: int, device: str) -> dict[str, Any]:
+    """One eager prefill of `tokens` under torch.profiler: CUDA time per stage (moe, mhc, the
+    attention's nodes) with its largest kernels (`profile_stages.by_stage`), printed, returned."""
+    prompt = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
+    runner = _runner(model, tokens)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.inference_mode():
+        runner.prefill({"r": prompt})  # warm-up
+        runner.release("r")
+        with torch.profiler.profile(activities=acts) as prof:
+            runner.prefill({"r": prompt})
+            if device == "cuda":
+                torch.cuda.synchronize()
+        runner.release("r")
+    stages = by_stage(list(prof.events()), 6)
+    print(f"  profile, {tokens} tokens: CUDA time by stage (largest kernels)")
+    for where, kernels in stages.items():
+        print(f"    {where}: {float(kernels[0]['cuda_ms']):.2f} ms")
+        for k in kernels[1:]:
+            ms, name = float(k["cuda_ms"]), str(k["kernel"])[:80]
+            print(f"        {ms:9.2f} ms  x{k['calls']!s:<4} {name}")
+    return stages
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,16384", help="prompt lengths")
@@ -236,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", choices=["qat", "none"], default="qat", help="mode timed")
     ap.add_argument("--check-quant", choices=["qat", "none"], default="none")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (tiny_full config)")
+    ap.add_argument("--profile-tokens", type=int, default=0, help="profile one prefill (0: off)")
     ap.add_argument("--out", default="out/model_layers.json")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -278,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add(row)
         print(f"  {t} tokens: {row['tok_per_s']:.0f} tok/s", flush=True)
     table.print()
+    profile = profile_stages(model, args.profile_tokens, device) if args.profile_tokens else None
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_json(
         args.out,
@@ -289,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "gemm_ceiling_tflops": ceilings,
             "paths": check,
             "rows": rows,
+            "profile_by_stage": profile,
             "device": device_info(),
         },
     )
