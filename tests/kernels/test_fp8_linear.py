@@ -17,7 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsv4cp.kernels.fp8_linear import act_quant_fp8, dequant_mm, fp8_linear, launch_fp8_linear
+from dsv4cp.kernels.fp8_linear import (
+    act_quant_fp8,
+    dequant_mm,
+    fake_act_quant_fp8,
+    fp8_linear,
+    launch_fp8_linear,
+)
 from dsv4cp.ops import linear as ops_linear
 from dsv4cp.ops import quant as ops_quant
 from tests.kernels.test_fp8_linear_interpreter import GOLDEN
@@ -40,6 +46,9 @@ def test_act_quant_bit_exact_on_golden_and_flash_rows() -> None:
         want_codes, want_scale = ops_quant.act_quant_fp8(x)
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(scale, want_scale)
+        fake, want = fake_act_quant_fp8(x), ops_quant.fake_act_quant_fp8(x)
+        assert fake.dtype == want.dtype
+        assert torch.equal(fake.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(512, 1280, 5120), (77, 512, 5120), (256, 5120, 8192)])

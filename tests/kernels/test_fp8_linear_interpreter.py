@@ -23,6 +23,7 @@ GOLDEN = ROOT / "tests" / "fixtures" / "quant_golden.safetensors"
 CASES = (
     "act_quant_golden",
     "act_quant_shapes",
+    "fake_act_quant",
     "gemm_golden",
     "gemm_odd_shapes",
     "gemm_cublas_path",
@@ -57,6 +58,17 @@ def test_launchers_reject_bad_shapes() -> None:
         fp8_linear(torch.zeros(2, 96), w, torch.ones(3, 2))
     with pytest.raises(ValueError, match="in_features 96"):
         fp8_linear(torch.zeros(2, 64), w, torch.ones(2, 3))
+
+
+def test_act_quant_compiles_for_sm90() -> None:
+    pytest.importorskip("triton")
+    from dsv4cp.kernels.fp8_linear import _act_quant_kernel
+    from tests.kernels.test_indexer_topk_compile import _compile
+
+    for out, dequant in (("*fp8e4nv", False), ("*bf16", True), ("*fp32", True)):
+        types = ["*bf16", out, "*fp32", "i32", "i32", "i32", "i32", "i32"]
+        const = dict(BLOCK=32, N_BLOCKS=4, ROWS=4, DEQUANT=dequant)
+        _compile(_act_quant_kernel, types, const, 4, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -104,6 +116,18 @@ def _child_cases() -> dict[str, object]:
             assert torch.equal(scale, want_scale)
         codes, scale = kernel.act_quant_fp8(x[:, :, :96].bfloat16())  # K = 3 blocks, strided
         same_bits(codes, ops_quant.act_quant_fp8(x[:, :, :96].bfloat16())[0])
+
+    def fake_act_quant() -> None:
+        """One pass: codes × scales in the output dtype, bit for bit the twin's (golden inputs:
+        every finite bf16 value, adversarial blocks; fp32 rows over 2^±20; bf16 out of fp32)."""
+        torch.manual_seed(3)
+        wide = torch.randn(7, 160) * torch.exp2(torch.randint(-20, 20, (7, 1)).float())
+        for x in (golden["adversarial.x"], golden["allbf16.x"], golden["random.x"], wide):
+            same_bits(kernel.fake_act_quant_fp8(x), ops_quant.fake_act_quant_fp8(x))
+            want16 = ops_quant.fake_act_quant_fp8(x.float()).bfloat16()
+            same_bits(kernel.fake_act_quant_fp8(x, out_dtype=torch.bfloat16), want16)
+            assert torch.equal(want16.float(), ops_quant.fake_act_quant_fp8(x.float()))  # exact
+        same_bits(kernel.quantized_act_bf16(wide), ops_quant.fake_act_quant_fp8(wide).bfloat16())
 
     def gemm_golden() -> None:
         for tag in ("exact", "random"):

@@ -58,8 +58,10 @@ def _act_quant_kernel(
     BLOCK: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
-    # one program: ROWS rows × N_BLOCKS quantization blocks of BLOCK values
+    # one program: ROWS rows × N_BLOCKS quantization blocks of BLOCK values; DEQUANT stores
+    # codes × scale in codes_ptr's dtype (exact in bf16/fp32) and no scales
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
@@ -71,6 +73,11 @@ def _act_quant_kernel(
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)  # ops.quant.FP8_AMAX_FLOOR
     scale = pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
     v = tl.minimum(tl.maximum(xb / scale[:, :, None], -448.0), 448.0)
+    if DEQUANT:
+        vals = tl.reshape(e4m3_rne(v) * scale[:, :, None], (ROWS, N_BLOCKS * BLOCK))
+        out = codes_ptr + rows64[:, None] * stride_cm + cols[None, :]
+        tl.store(out, vals.to(codes_ptr.dtype.element_ty), mask=ok)
+        return
     codes = tl.reshape(e4m3_rne(v), (ROWS, N_BLOCKS * BLOCK))
     tl.store(
         codes_ptr + rows64[:, None] * stride_cm + cols[None, :], codes.to(tl.float8e4nv), mask=ok
@@ -83,36 +90,54 @@ def _act_quant_kernel(
 def act_quant_fp8(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """Kernel twin of `ops.quant.act_quant_fp8`: x [..., K] -> (float8_e4m3fn codes [..., K],
     fp32 power-of-two scales [..., K // block]); block a power of two ≥ 16."""
-    if not x.is_floating_point():
-        raise ValueError(f"act_quant_fp8: x must be a float tensor, got {x.dtype}")
-    k = x.shape[-1]
-    if block < 16 or block & (block - 1) or k % block:
-        raise ValueError(
-            f"act_quant_fp8: last dim {k} must be a multiple of block={block} (2^n ≥ 16)"
-        )
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2 = _act_rows(x, block, "act_quant_fp8")
+    m, k = x2.shape
     codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
+    _launch_act_quant(x2, codes, scale, block, dequant=False)
+    return codes.view(*x.shape), scale.view(*x.shape[:-1], k // block)
+
+
+def fake_act_quant_fp8(
+    x: Tensor, block: int = 32, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """Kernel twin of `ops.quant.fake_act_quant_fp8`: act_quant_fp8's codes × scales in out_dtype
+    (default x.dtype; exact in bf16 and fp32), one pass: read x once, write once."""
+    x2 = _act_rows(x, block, "fake_act_quant_fp8")
+    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    _launch_act_quant(x2, out, out, block, dequant=True)
+    return out.view(x.shape)
+
+
+def _act_rows(x: Tensor, block: int, name: str) -> Tensor:
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: x must be a float tensor, got {x.dtype}")
+    k = x.shape[-1]
+    if block < 16 or block & (block - 1) or k % block:
+        raise ValueError(f"{name}: last dim {k} must be a multiple of block={block} (2^n ≥ 16)")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_act_quant(x2: Tensor, out: Tensor, scale: Tensor, block: int, dequant: bool) -> None:
+    m, k = x2.shape
     n_blocks = 1 << (max(1, min(k // block, 128 // block)).bit_length() - 1)  # a power of two
     grid = (triton.cdiv(m, _ROWS_PER_QUANT_PROGRAM), triton.cdiv(k // block, n_blocks))
     if m:
         _act_quant_kernel[grid](
             x2,
-            codes,
+            out,
             scale,
             m,
             k,
             x2.stride(0),
-            codes.stride(0),
+            out.stride(0),
             scale.stride(0),
             BLOCK=block,
             N_BLOCKS=n_blocks,
             ROWS=_ROWS_PER_QUANT_PROGRAM,
+            DEQUANT=dequant,
         )
-    return codes.view(*x.shape), scale.view(*x.shape[:-1], k // block)
 
 
 @triton.jit
@@ -219,10 +244,8 @@ def dequant_mm(
 
 
 def quantized_act_bf16(x: Tensor) -> Tensor:
-    """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact)."""
-    codes, scale = act_quant_fp8(x, WEIGHT_BLOCK)
-    a = codes.view(x.shape[0], -1, WEIGHT_BLOCK).to(torch.bfloat16)
-    return (a * scale_to_float(scale).to(torch.bfloat16)[..., None]).view(x.shape)
+    """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact), one pass."""
+    return fake_act_quant_fp8(x, WEIGHT_BLOCK, out_dtype=torch.bfloat16)
 
 
 def dequant_weight_bf16(w: Tensor, w_scale: Tensor) -> Tensor:
