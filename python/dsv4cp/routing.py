@@ -57,6 +57,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
     # the routed experts' fp4 weights, chunk by chunk before each grouped GEMM
     "dequant_fp4": (ops.dequant_fp4, "dsv4cp.kernels.fp4_dequant"),
+    # the experts' activations in qat: codes × scales in one pass (kernels.fp8_linear)
+    "fake_act_quant_fp8": (ops.fake_act_quant_fp8, "dsv4cp.kernels.fp8_linear"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -139,6 +141,7 @@ rope_index_queries = _route("rope_index_queries")
 rope_tail_ = _route("rope_tail_")
 fp8_linear = _route("fp8_linear")
 dequant_fp4 = _route("dequant_fp4")
+fake_act_quant_fp8 = _route("fake_act_quant_fp8")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -153,6 +156,7 @@ __all__ = [
     "compressed_key",
     "compressed_latent",
     "dequant_fp4",
+    "fake_act_quant_fp8",
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",

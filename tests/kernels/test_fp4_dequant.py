@@ -99,7 +99,8 @@ def _cases() -> dict[str, object]:
         same(kernel.dequant_fp4(view, scale), ops_linear.dequant_fp4(view, scale))
 
     def grouped_moe_with_the_kernel() -> None:
-        from dsv4cp.ops.moe_experts import grouped_expert_mlp
+        from dsv4cp.kernels import fp8_linear as fp8_kernel
+        from dsv4cp.ops.moe_experts import ExpertKernels, grouped_expert_mlp
         from dsv4cp.ops.moe_weights import ExpertStack
 
         g = torch.Generator().manual_seed(1)
@@ -111,6 +112,7 @@ def _cases() -> dict[str, object]:
             return ExpertStack(w.to(torch.uint8), s.to(torch.uint8).view(torch.float8_e8m0fnu))
 
         w1, w3, w2 = stack(inter, d), stack(inter, d), stack(d, inter)
+        routed = ExpertKernels(kernel.dequant_fp4, fp8_kernel.fake_act_quant_fp8)
         counts = torch.tensor([3, 0, 5, 1, 0, 7])
         x = torch.randn(int(counts.sum()), d, generator=g).bfloat16()
         rw = torch.rand(x.shape[0], generator=g)
@@ -118,7 +120,7 @@ def _cases() -> dict[str, object]:
         for chunk in (2, 32):
             want = grouped_expert_mlp(x, counts, w1, w3, w2, expert_chunk=chunk, **kw)
             got = grouped_expert_mlp(
-                x, counts, w1, w3, w2, expert_chunk=chunk, dequant=kernel.dequant_fp4, **kw
+                x, counts, w1, w3, w2, expert_chunk=chunk, kernels=routed, **kw
             )
             same(got, want)
 

@@ -15,13 +15,14 @@ from dsv4cp.layers.linear import Linear
 from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.moe import combine, moe
 from dsv4cp.ops.moe_ep import ep_dispatch, ep_local_experts, ep_pack, ep_per_token
-from dsv4cp.ops.moe_experts import GroupedBackend, clamped_swiglu
+from dsv4cp.ops.moe_experts import ExpertKernels, GroupedBackend, clamped_swiglu
 from dsv4cp.ops.moe_routing import MoeSpec, route
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
-from dsv4cp.routing import dequant_fp4 as routed_dequant_fp4
+from dsv4cp.routing import dequant_fp4, fake_act_quant_fp8
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
+ROUTED_EXPERT_KERNELS = ExpertKernels(dequant_fp4, fake_act_quant_fp8)  # Triton on CUDA
 _UE8M0_ONE = 127
 
 
@@ -132,7 +133,7 @@ class MoE(nn.Module):
             quant=quant,
             backend=backend,
             shared_mlp=lambda y: self.shared_mlp(y, quant),
-            dequant=routed_dequant_fp4,
+            kernels=ROUTED_EXPERT_KERNELS,
         )
 
     def _forward_ep(
@@ -162,7 +163,9 @@ class MoE(nn.Module):
         rows = ep_pack(x, routing, row_ids, pairs, per_rank)
         received = ep.all_to_all(rows, splits, tag=f"{tag}/ep_dispatch")
         stacks = (self.stack("w1"), self.stack("w3"), self.stack("w2"))
-        out = ep_local_experts(received, x.dtype, stacks, spec, quant, backend, routed_dequant_fp4)
+        out = ep_local_experts(
+            received, x.dtype, stacks, spec, quant, backend, ROUTED_EXPERT_KERNELS
+        )
         back = [list(col) for col in zip(*splits)]  # the transposed matrix: results go home
         pair_out = ep.all_to_all(out, back, tag=f"{tag}/ep_combine")
         per_token = ep_per_token(pair_out, pairs, x.shape[0], spec.num_experts_per_tok)

@@ -24,7 +24,7 @@ from dsv4cp.ops.linear import dequant_fp4, fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output, grouped_wo_a
-from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 from dsv4cp.ops.swa import store_swa_k, swa_key
 
@@ -37,6 +37,7 @@ __all__ = [
     "compressed_key",
     "compressed_latent",
     "dequant_fp4",
+    "fake_act_quant_fp8",
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",

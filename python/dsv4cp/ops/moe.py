@@ -33,8 +33,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dsv4cp.ops.linear import dequant_fp4
-from dsv4cp.ops.moe_experts import Dequant, GroupedBackend, expert_mlp, grouped_expert_mlp
+from dsv4cp.ops.moe_experts import (
+    TORCH_EXPERT_KERNELS,
+    ExpertKernels,
+    GroupedBackend,
+    expert_mlp,
+    grouped_expert_mlp,
+)
 from dsv4cp.ops.moe_routing import MoeSpec, Routing, route, sort_by_expert
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
@@ -47,7 +52,7 @@ def routed_per_token(
     spec: MoeSpec,
     quant: QuantMode,
     backend: GroupedBackend = "auto",
-    dequant: Dequant = dequant_fp4,
+    kernels: ExpertKernels = TORCH_EXPERT_KERNELS,
 ) -> Tensor:
     """Every token's routed expert outputs x.dtype [T, k, d], slot j = its j-th (ascending)
     expert, weighted by its routing weight (all experts held here: expert parallelism = 1)."""
@@ -61,7 +66,7 @@ def routed_per_token(
         swiglu_limit=spec.swiglu_limit,
         quant=quant,
         backend=backend,
-        dequant=dequant,
+        kernels=kernels,
     )
     per_token = torch.empty_like(pair_out)
     per_token[order] = pair_out
@@ -88,7 +93,7 @@ def moe(
     quant: QuantMode,
     backend: GroupedBackend = "auto",
     shared_mlp: Callable[[Tensor], Tensor] | None = None,
-    dequant: Dequant = dequant_fp4,
+    kernels: ExpertKernels = TORCH_EXPERT_KERNELS,
 ) -> Tensor:
     """The whole MoE on x [T, d] (the ffn_norm output) → x.dtype [T, d]. ``experts``/``shared``
     are the (w1, w3, w2) projections: w1 gate, w3 up, w2 down. ``shared_mlp``, when given,
@@ -97,7 +102,7 @@ def moe(
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, d], got {tuple(x.shape)}")
     routing = route(x, gate_weight, gate_bias, spec)
-    per_token = routed_per_token(x, routing, experts, spec, quant, backend, dequant)
+    per_token = routed_per_token(x, routing, experts, spec, quant, backend, kernels)
     if shared_mlp is None:
         shared_out = expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant)
     else:

@@ -10,8 +10,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dsv4cp.ops.linear import dequant_fp4
-from dsv4cp.ops.moe_experts import Dequant, GroupedBackend, grouped_expert_mlp
+from dsv4cp.ops.moe_experts import (
+    TORCH_EXPERT_KERNELS,
+    ExpertKernels,
+    GroupedBackend,
+    grouped_expert_mlp,
+)
 from dsv4cp.ops.moe_routing import MoeSpec, Routing
 from dsv4cp.ops.moe_weights import ExpertStack
 from dsv4cp.ops.quant import QuantMode
@@ -99,7 +103,7 @@ def ep_local_experts(
     spec: MoeSpec,
     quant: QuantMode,
     backend: GroupedBackend = "auto",
-    dequant: Dequant = dequant_fp4,
+    kernels: ExpertKernels = TORCH_EXPERT_KERNELS,
 ) -> Tensor:
     """The received pairs (`pack_pairs` rows, grouped by source rank) through this rank's
     experts → outputs x.dtype [n, d] in the received order. Each expert's rows are ordered by
@@ -119,7 +123,7 @@ def ep_local_experts(
         swiglu_limit=spec.swiglu_limit,
         quant=quant,
         backend=backend,
-        dequant=dequant,
+        kernels=kernels,
     )
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted

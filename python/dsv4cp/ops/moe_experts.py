@@ -6,7 +6,7 @@ graph capture. Every GEMM goes through ``dsv4cp.ops.linear.linear``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,20 @@ from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight, stack_shape
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 
 GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
-# (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]: `ops.linear.dequant_fp4` or its
-# routed kernel (`routing.dequant_fp4`, which the layer passes; ops do not import routing)
-Dequant = Callable[..., Tensor]
+
+
+class ExpertKernels(NamedTuple):
+    """The grouped experts' two elementwise steps: the ops twins by default; the layer passes
+    the routed kernels (`routing.dequant_fp4`, `routing.fake_act_quant_fp8`; ops do not import
+    routing). Both are bit for bit their twins."""
+
+    # (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]
+    dequant_fp4: Callable[..., Tensor] = dequant_fp4
+    # x [P, K] → act_quant_fp8's codes × scales in x.dtype (qat only)
+    fake_act_quant_fp8: Callable[[Tensor], Tensor] = fake_act_quant_fp8
+
+
+TORCH_EXPERT_KERNELS = ExpertKernels()
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -49,26 +60,24 @@ def expert_mlp(
 
 
 def _grouped_projection(
-    x: Tensor,
+    xq: Tensor,
     stack: ExpertStack,
     ends: list[int] | None,
     counts: Tensor,
-    quant: QuantMode,
     expert_chunk: int,
-    dequant: Dequant,
+    dequant: Callable[..., Tensor],
 ) -> Tensor:
-    """x [P, K] sorted by expert → [P, N]: one ``torch._grouped_mm`` per chunk of experts over
-    their weights dequantized to x.dtype by ``dequant`` (exact: e2m1·2^k and e4m3·2^k fit
-    bf16)."""
+    """xq [P, K] (already fake-quantized in qat) sorted by expert → [P, N]: one
+    ``torch._grouped_mm`` per chunk of experts over their weights dequantized to xq.dtype by
+    ``dequant`` (exact: e2m1·2^k and e4m3·2^k fit bf16)."""
     n_experts, n_out, k_half = stack.weight.shape
-    xq = fake_act_quant_fp8(x) if quant == "qat" else x
-    out = x.new_empty(x.shape[0], n_out)
+    out = xq.new_empty(xq.shape[0], n_out)
     for e0 in range(0, n_experts, expert_chunk):
         e1 = min(n_experts, e0 + expert_chunk)
         start = 0 if e0 == 0 else ends[e0 - 1]  # type: ignore[index]
-        stop = x.shape[0] if e1 == n_experts else ends[e1 - 1]  # type: ignore[index]
+        stop = xq.shape[0] if e1 == n_experts else ends[e1 - 1]  # type: ignore[index]
         packed, scale = stack.weight[e0:e1].reshape(-1, k_half), stack.scale[e0:e1].flatten(0, 1)
-        w = dequant(packed, scale, out_dtype=x.dtype).view(e1 - e0, n_out, 2 * k_half)
+        w = dequant(packed, scale, out_dtype=xq.dtype).view(e1 - e0, n_out, 2 * k_half)
         offs = counts[e0:e1].cumsum(0).to(torch.int32)
         out[start:stop] = torch._grouped_mm(xq[start:stop], w.transpose(-2, -1), offs=offs)
     return out
@@ -86,7 +95,7 @@ def grouped_expert_mlp(
     quant: QuantMode,
     backend: GroupedBackend = "auto",
     expert_chunk: int = 32,
-    dequant: Dequant = dequant_fp4,
+    kernels: ExpertKernels = TORCH_EXPERT_KERNELS,
 ) -> Tensor:
     """Routed experts over token rows already sorted by expert: rows [offs[e-1], offs[e]) of
     x_sorted [P, d] go to expert e, where offs = cumsum(counts [E]). Returns x.dtype [P, d].
@@ -124,11 +133,16 @@ def grouped_expert_mlp(
     if backend == "grouped_mm":
         # chunk boundaries need host offsets; a single chunk needs none (no device sync)
         ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
-        chunking = (ends, counts, quant, expert_chunk, dequant)
-        h1 = _grouped_projection(x_sorted, w1, *chunking)
-        h3 = _grouped_projection(x_sorted, w3, *chunking)
+        chunking = (ends, counts, expert_chunk, kernels.dequant_fp4)
+
+        def quantized(v: Tensor) -> Tensor:
+            return kernels.fake_act_quant_fp8(v) if quant == "qat" else v
+
+        xq = quantized(x_sorted)  # once for both w1 and w3
+        h1 = _grouped_projection(xq, w1, *chunking)
+        h3 = _grouped_projection(xq, w3, *chunking)
         h = route_weight.float().unsqueeze(-1) * clamped_swiglu(h1, h3, swiglu_limit)
-        return _grouped_projection(h.to(x_sorted.dtype), w2, *chunking)
+        return _grouped_projection(quantized(h.to(x_sorted.dtype)), w2, *chunking)
     if backend != "loop":
         raise ValueError(
             f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"

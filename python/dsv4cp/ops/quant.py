@@ -118,10 +118,13 @@ def act_quant_fp8(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     return codes.flatten(-2), scale
 
 
-def fake_act_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
-    """act_quant_fp8 then dequantized (codes · scale), in x.dtype (reference: inplace=True)."""
+def fake_act_quant_fp8(
+    x: Tensor, block: int = 32, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """act_quant_fp8 then dequantized (codes · scale), in out_dtype, default x.dtype (reference:
+    inplace=True); exact in bf16 and fp32 (an e4m3 code times a power of two)."""
     codes, scale = _fp8_codes_and_scales(x, block, "fake_act_quant_fp8")
-    return (codes.float() * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return (codes.float() * scale.unsqueeze(-1)).flatten(-2).to(out_dtype or x.dtype)
 
 
 # ---- fp4 e2m1 values and codes --------------------------------------------------------------
