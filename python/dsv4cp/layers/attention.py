@@ -403,7 +403,11 @@ class DeepseekV41Attention(nn.Module):
         with stage("sparse_attention"):
             o = self.attend(st["q"], ctx)
         with stage("output_proj"):
-            return self.wo_b(grouped_wo_a(o, self.wo_a, self.config.o_groups), self.quant)
+            z = grouped_wo_a(o, self.wo_a, self.config.o_groups)
+            # Padding rows are zeroed before any reduction across rows (docs/invariants.md,
+            # invariant 5). wo_a is row-local, so zeroing its output (4x narrower than o at Flash
+            # dims) equals zeroing o; masked_fill also clears a non-finite padding row.
+            return self.wo_b(z.masked_fill_(~ctx.local.valid[:, None], 0), self.quant)
 
     def _kv_source(self) -> int:
         src = self.role.kv_source
@@ -462,6 +466,5 @@ class DeepseekV41Attention(nn.Module):
             self.quant,
             workspace_rows=self.workspace_rows(ctx),
         )
-        o = rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
-        # Padding rows are zeroed before any reduction (docs/invariants.md, invariant 5).
-        return o * local.valid[:, None, None].to(o.dtype)
+        # Padding rows' outputs are zeroed by `forward` after wo_a (invariant 5).
+        return rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
