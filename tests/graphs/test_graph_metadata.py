@@ -118,3 +118,23 @@ def test_graphs_need_cuda_and_accept_true() -> None:
     assert PrefillRunner(model, num_slots=256, graphs=False).graph_runner is None
     with pytest.raises(ValueError, match="buckets"):
         GraphConfig(buckets=())
+
+
+def test_replay_outside_inference_mode() -> None:
+    """Capture makes the static buffers under inference mode; a caller outside it (a bare
+    `ServingEngine.forward`, as tests/gpu/test_sglang_engine.py does) must still replay: on the
+    H200 this raised "Inplace update to inference tensor outside InferenceMode"."""
+    from types import SimpleNamespace
+
+    from dsv4cp.graphs.runner import BucketGraph, BucketReport
+
+    r = _runner()
+    gr = GraphRunner(GraphConfig(buckets=(32,)), r.cp)
+    with torch.inference_mode():
+        st = StaticBatch(32, gr.config, r.cache.req_to_token, r.ratios, r.cp)
+    out = torch.arange(32.0)[:, None]
+    bg = BucketGraph(st, SimpleNamespace(replay=lambda: out), BucketReport(32, 0, 0, 1))  # type: ignore[arg-type]
+    meta, ids, _ = _meta(r, {"a": list(range(5))})
+    assert not torch.is_inference_mode_enabled()
+    hidden = gr.replay(bg, meta, ids)
+    assert torch.equal(st.ids[:5], ids) and torch.equal(hidden, out[:5])

@@ -251,6 +251,9 @@ class GraphRunner:
         return None
 
     def replay(self, bg: BucketGraph, meta: BatchMetadata, input_ids: Tensor) -> Tensor:
-        bg.static.refresh(meta, input_ids)
-        hidden = bg.graph.replay()
-        return hidden[: meta.tokens.num_rows].clone()
+        # The static buffers were made under inference mode (capture); refreshing them in place
+        # needs it too, whatever mode the caller runs in (SGLang's loop does; a bare call not).
+        with torch.inference_mode():
+            bg.static.refresh(meta, input_ids)
+            hidden = bg.graph.replay()
+            return hidden[: meta.tokens.num_rows].clone()
