@@ -330,6 +330,15 @@ def launch_sparse_attention(
 Source = tuple[Tensor | None, Tensor | None, str]
 
 
+def pipeline_stages(stages: int, swa_fmt: int, comp_fmt: int, qat: bool) -> int:
+    """num_stages for a launch: qat over two dense sources pipelines bf16 K tiles of both and
+    needs 257 KB of shared memory at D = 512, 64 heads, BLOCK_N 64 with 2 stages — above
+    Hopper's 227 KB (Triton 3.6 sm_90 compile; the H200 refused the launch) — so it takes one
+    stage. Every other combination fits with 2 (tests/kernels/test_attention_compile.py)."""
+    dense = FORMAT_CODES["dense"]
+    return 1 if qat and swa_fmt == dense and comp_fmt == dense else stages
+
+
 def _prepared(src: Source, q: Tensor) -> tuple[Tensor, Tensor, int]:
     """(rows, int32 indices [T, K], format code); an absent source is one dense dummy row and
     K = 0."""
@@ -365,6 +374,7 @@ def _launch(
     swa, swa_idx, swa_fmt = _prepared(swa_src, q)
     comp, comp_idx, comp_fmt = _prepared(comp_src, q)
     block_n, warps, stages = config or DEFAULT_CONFIG
+    stages = pipeline_stages(stages, swa_fmt, comp_fmt, qat)
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
