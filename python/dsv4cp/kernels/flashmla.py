@@ -199,9 +199,13 @@ def sparse_attention_cached(
     check_quant_mode(quant)  # FlashMLA's order is one for both modes (docs/performance.md)
     sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
                                 workspace_rows)  # fmt: skip
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     d = q.shape[2]
-    for a, b in chunks(q.shape[0], sources, d * 2):
+    spans = chunks(q.shape[0], sources, d * 2)
+    if len(spans) == 1:  # FlashMLA's output is the result: no copy into another buffer
+        kv, idx = build_workspace(sources, slice(0, q.shape[0]), d, torch.bfloat16)
+        return _flashmla(q, kv, idx, sink, scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for a, b in spans:
         kv, idx = build_workspace(sources, slice(a, b), d, torch.bfloat16)
         out[a:b] = _flashmla(q[a:b], kv, idx, sink, scale)
     return out
