@@ -32,13 +32,14 @@ from dsv4cp.executors import SERIAL_ONLY, LayerExecutors
 from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.engram_hashes import EngramHashes
+from dsv4cp.layers.hyper_connections import hc_collapse
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
 from dsv4cp.ops.engram import RowSource
 from dsv4cp.ops.engram_hash import NgramHasher
 from dsv4cp.ops.finite import check_finite, finite_check_requested
-from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand_embedding, identity_pre
+from dsv4cp.ops.hyper_connections import hc_expand_embedding, identity_pre
 from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.random_weights import init_random_

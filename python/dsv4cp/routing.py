@@ -59,6 +59,9 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "dequant_fp4": (ops.dequant_fp4, "dsv4cp.kernels.fp4_dequant"),
     # the experts' activations in qat: codes × scales in one pass (kernels.fp8_linear)
     "fake_act_quant_fp8": (ops.fake_act_quant_fp8, "dsv4cp.kernels.fp8_linear"),
+    # mHC: the streams collapsed into a sublayer's input, and expanded back, one pass each
+    "hc_collapse": (ops.hc_collapse, "dsv4cp.kernels.hyper_connections"),
+    "hc_expand": (ops.hc_expand, "dsv4cp.kernels.hyper_connections"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -142,6 +145,8 @@ rope_tail_ = _route("rope_tail_")
 fp8_linear = _route("fp8_linear")
 dequant_fp4 = _route("dequant_fp4")
 fake_act_quant_fp8 = _route("fake_act_quant_fp8")
+hc_collapse = _route("hc_collapse")
+hc_expand = _route("hc_expand")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -160,6 +165,8 @@ __all__ = [
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",
+    "hc_collapse",
+    "hc_expand",
     "index_key",
     "indexer_weights",
     "kernel_backend_requested",

@@ -9,7 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from dsv4cp.observe.timing import stage
-from dsv4cp.ops.hyper_connections import HcMixes, hc_collapse, hc_expand, hc_mixes
+from dsv4cp.ops.hyper_connections import HcMixes, hc_mixes
+from dsv4cp.routing import hc_collapse, hc_expand
+
+__all__ = ["HyperConnection", "hc_collapse", "hc_expand", "hc_sublayer"]
 
 Sublayer = Literal["attn", "ffn"]
 

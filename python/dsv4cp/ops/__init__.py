@@ -5,6 +5,7 @@ from __future__ import annotations
 from dsv4cp.ops.attention import sparse_attention, sparse_attention_cached
 from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
+from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand
 from dsv4cp.ops.indexer import (
     candidate_blocks,
     indexer_weights,
@@ -41,6 +42,8 @@ __all__ = [
     "fp8_linear",
     "grouped_output",
     "grouped_wo_a",
+    "hc_collapse",
+    "hc_expand",
     "index_key",
     "indexer_weights",
     "linear_fp32",
