@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.ops.rowwise import ROW_TILE, rowwise_linear_fp32
+from dsv4cp.ops.rowwise import CALL_TILES, ROW_TILE, rowwise_linear_fp32
 
 
 @pytest.mark.parametrize("k,n", [(512, 24), (128, 8), (5120 // 8, 384 // 8)])
@@ -33,3 +33,21 @@ def test_leading_dims_and_errors() -> None:
     )
     with pytest.raises(ValueError, match="rowwise_linear_fp32"):
         rowwise_linear_fp32(x, torch.randn(4, 31))
+
+
+def test_every_call_is_one_gemm_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library picks its kernel by shape and batch count: every batched GEMM this op issues
+    has the same shape, whatever the row count (1 row, a tile and one, several calls, none)."""
+    shapes = set()
+    bmm = torch.bmm
+
+    def recording(a: torch.Tensor, b: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+        shapes.add((tuple(a.shape), tuple(b.shape)))
+        return bmm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "bmm", recording)
+    w = torch.randn(24, 96)
+    for t in (1, ROW_TILE + 1, ROW_TILE * CALL_TILES * 3 + 5, 0):
+        out = rowwise_linear_fp32(torch.randn(t, 96), w)
+        assert out.shape == (t, 24)
+    assert shapes == {((CALL_TILES, ROW_TILE, 96), (CALL_TILES, 96, 24))}

@@ -3,10 +3,16 @@
 A plain GEMM's library kernel (and so its fp32 summation order) is chosen by the shape, the row
 count M included: the same token gives last-bit different results in a one-shot prefill, a chunk
 or a CP rank's share of the rows. Rounded to bf16 later, such a difference can flip a value.
-`rowwise_linear_fp32` runs every call as the same fixed-shape tiles ([ROW_TILE, K] · [K, N],
-zero rows padded, one batched GEMM), so a row's result depends only on the row: the row-local
-fp32 mixes of the model (hyper-connection mix logits, MoE gate scores) are then bit-identical
-under any CP split or chunking. Used only for those small-N GEMMs.
+`rowwise_linear_fp32` runs every call as batched GEMMs of one fixed shape ([CALL_TILES ×
+ROW_TILE, K] · [K, N] as CALL_TILES tiles, zero rows padded), so a row's result depends only on
+the row: the row-local fp32 mixes of the model (hyper-connection mix logits, MoE gate scores)
+are then bit-identical under any CP split or chunking. Used only for those small-N GEMMs.
+
+The batch count is fixed too: cuBLAS may also pick its algorithm by the number of batched
+tiles. With one bmm over all tiles (the earlier form), the H200 gave CP 1 and CP 2 (3 and 2 tiles
+per call) bit-identical results on the tiny fixture but CP 3 and CP 4 (one tile) 2e-7 apart, and
+in qat that moved a top-k entry: this op is the suspected cause, not yet confirmed on the device
+(docs/performance.md §7).
 """
 
 from __future__ import annotations
@@ -16,18 +22,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ROW_TILE = 64
+CALL_TILES = 4  # tiles per batched GEMM: every call has this one shape
 
 
-def rowwise_linear_fp32(x: Tensor, w: Tensor, *, tile: int = ROW_TILE) -> Tensor:
-    """fp32 x [..., K] · wᵀ → [..., N], each row computed by the same fixed-shape tile GEMM."""
+def rowwise_linear_fp32(
+    x: Tensor, w: Tensor, *, tile: int = ROW_TILE, call_tiles: int = CALL_TILES
+) -> Tensor:
+    """fp32 x [..., K] · wᵀ → [..., N], each row computed by the same fixed-shape batched GEMM."""
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"rowwise_linear_fp32: x {tuple(x.shape)} and w {tuple(w.shape)}")
     rows = x.reshape(-1, x.shape[-1]).float()
-    t = rows.shape[0]
-    pad = -t % tile
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
-    tiles = rows.view(-1, tile, rows.shape[1])
-    wt = w.float().t().unsqueeze(0).expand(tiles.shape[0], -1, -1)
-    out = torch.bmm(tiles, wt).view(-1, w.shape[0])[:t]
-    return out.view(*x.shape[:-1], w.shape[0])
+    t, k, n = rows.shape[0], rows.shape[1], w.shape[0]
+    per_call = tile * call_tiles
+    pad = -t % per_call
+    if pad or t == 0:
+        rows = F.pad(rows, (0, 0, 0, pad if t else per_call))
+    wt = w.float().t().unsqueeze(0).expand(call_tiles, -1, -1)
+    out = rows.new_empty(rows.shape[0], n)
+    for a in range(0, rows.shape[0], per_call):
+        chunk = rows[a : a + per_call].view(call_tiles, tile, k)
+        torch.bmm(chunk, wt, out=out[a : a + per_call].view(call_tiles, tile, n))
+    return out[:t].view(*x.shape[:-1], n)
