@@ -37,6 +37,8 @@ def test_bad_input_is_named() -> None:
         hc_expand(torch.zeros(3, 7), x, torch.zeros(3, 4), torch.zeros(3, 4, 4))
     with pytest.raises(ValueError, match="post must be"):
         hc_expand(torch.zeros(3, 8), x, torch.zeros(3, 4), torch.zeros(3, 4, 3))
+    with pytest.raises(ValueError, match="take"):
+        hc_collapse(x.double(), torch.zeros(3, 4))
 
 
 def test_compiles_for_sm90() -> None:

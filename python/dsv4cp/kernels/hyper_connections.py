@@ -88,6 +88,8 @@ def _hc_expand_kernel(
 
 
 def _rows(x: Tensor) -> Tensor:
+    if x.dtype not in _TL:
+        raise ValueError(f"hyper-connection kernels take {sorted(map(str, _TL))}, got {x.dtype}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
