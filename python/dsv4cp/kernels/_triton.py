@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+# torch float dtypes the kernels load and store, and their Triton names
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def interpreting() -> bool:

@@ -17,13 +17,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
 from dsv4cp.kernels.kv_decode import _minifloat
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp4_weight
 from dsv4cp.ops.quant import scale_to_float
 
 _BLOCK_K = 1024
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -60,14 +59,14 @@ def dequant_fp4(
     """Packed fp4 [N, K/2] (int8 / uint8 / float4_e2m1fn_x2) with scales [N, K/block] → out_dtype
     [N, K] (exact in fp32 and bf16)."""
     n, k = check_fp4_weight(packed, scale, block)
-    if out_dtype not in _TL_DTYPES:
+    if out_dtype not in TL_DTYPES:
         raise ValueError(f"dequant_fp4: out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
     codes = packed.view(torch.uint8)
     codes = codes if codes.stride(-1) == 1 else codes.contiguous()
     s = scale_to_float(scale).contiguous()
     out = torch.empty(n, k, dtype=out_dtype, device=packed.device)
     if n and k:
-        tl_dtype = _TL_DTYPES[out_dtype]
+        tl_dtype = TL_DTYPES[out_dtype]
         _dequant_fp4_kernel[(n, triton.cdiv(k, _BLOCK_K))](
             codes,
             s,

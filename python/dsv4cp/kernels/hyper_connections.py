@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
+from dsv4cp.ops.hyper_connections import check_collapse_args, check_expand_args
 
 BLOCK_D = 512
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -88,19 +88,16 @@ def _hc_expand_kernel(
 
 
 def _rows(x: Tensor) -> Tensor:
-    if x.dtype not in _TL:
-        raise ValueError(f"hyper-connection kernels take {sorted(map(str, _TL))}, got {x.dtype}")
+    if x.dtype not in TL_DTYPES:
+        taken = sorted(map(str, TL_DTYPES))
+        raise ValueError(f"hyper-connection kernels take {taken}, got {x.dtype}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
     """Kernel twin of `ops.hyper_connections.hc_collapse`: x [..., H, d], pre [..., H] →
     Σ_i pre[i] · x[i] in fp32, rounded to x.dtype [..., d]."""
-    if pre.shape != x.shape[:-1]:
-        raise ValueError(
-            f"hc_collapse: pre must be {tuple(x.shape[:-1])} for x {tuple(x.shape)}, "
-            f"got {tuple(pre.shape)}"
-        )
+    check_collapse_args(x, pre)
     h, d = x.shape[-2], x.shape[-1]
     x3 = _rows(x.reshape(-1, h, d))
     p2 = pre.reshape(-1, h).float().contiguous()
@@ -108,7 +105,7 @@ def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
     if out.numel():
         _hc_collapse_kernel[(x3.shape[0], triton.cdiv(d, BLOCK_D))](
             x3, p2, out, d, x3.stride(0), x3.stride(1), p2.stride(0), out.stride(0),
-            H=h, BLOCK=BLOCK_D, OUT=_TL[x.dtype],
+            H=h, BLOCK=BLOCK_D, OUT=TL_DTYPES[x.dtype],
             EMULATE=interpreting() and x.dtype != torch.float32,
             enable_fp_fusion=False,
         )  # fmt: skip
@@ -118,16 +115,8 @@ def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
 def hc_expand(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Kernel twin of `ops.hyper_connections.hc_expand`: new streams [..., H, d],
     out[j] = post[j] · y + Σ_i comb[i, j] · residual[i] in fp32, rounded to y.dtype."""
-    if residual.shape[:-2] != y.shape[:-1] or residual.shape[-1] != y.shape[-1]:
-        raise ValueError(
-            f"hc_expand: residual {tuple(residual.shape)} does not match y {tuple(y.shape)}"
-        )
+    check_expand_args(y, residual, post, comb)
     h, d = residual.shape[-2], residual.shape[-1]
-    if post.shape != residual.shape[:-1] or comb.shape != (*residual.shape[:-1], h):
-        raise ValueError(
-            f"hc_expand: post must be {tuple(residual.shape[:-1])} and comb "
-            f"{(*residual.shape[:-1], h)}, got {tuple(post.shape)} and {tuple(comb.shape)}"
-        )
     y2 = _rows(y.reshape(-1, d))
     r3 = _rows(residual.reshape(-1, h, d))
     p2 = post.reshape(-1, h).float().contiguous()
@@ -137,7 +126,7 @@ def hc_expand(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor
         _hc_expand_kernel[(r3.shape[0], triton.cdiv(d, BLOCK_D))](
             y2, r3, p2, c3, out, d, y2.stride(0), r3.stride(0), r3.stride(1), p2.stride(0),
             c3.stride(0), c3.stride(1), out.stride(0), out.stride(1),
-            H=h, H_PAD=max(2, triton.next_power_of_2(h)), BLOCK=BLOCK_D, OUT=_TL[y.dtype],
+            H=h, H_PAD=max(2, triton.next_power_of_2(h)), BLOCK=BLOCK_D, OUT=TL_DTYPES[y.dtype],
             EMULATE=interpreting() and y.dtype != torch.float32,
             enable_fp_fusion=False,
         )  # fmt: skip

@@ -24,13 +24,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
 from dsv4cp.kernels.fake_quant import FAKE_QUANTS, fake_quant_blocks
 from dsv4cp.kernels.precise_math import cos_sin, exp, rsqrt
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
 MAX_D = 4096
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # (rows per program, num_warps) for a 512-wide row; benchmarks/kernels.py sweeps it.
 DEFAULT_CONFIG = (8, 4)
 
@@ -386,7 +385,7 @@ def norm_rope_rows(
     if fake_quant is not None and d % qblock:
         raise ValueError(f"norm/rope kernel: D = {d} is not a multiple of the {qblock} block")
     rdt = round_dtype or out.dtype
-    if rdt not in _TL_DTYPES:
+    if rdt not in TL_DTYPES:
         raise ValueError(f"norm/rope kernel: cannot round to {rdt}")
     x = _rows(x)
     g, px, pg = (_rows(p) for p in pool) if pool is not None else (x, x, x)
@@ -430,7 +429,7 @@ def norm_rope_rows(
         WRITE_MID=mid is not None,
         QUANT=quant,
         QBLOCK=qblock,
-        RDT=_TL_DTYPES[rdt],
+        RDT=TL_DTYPES[rdt],
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         BLOCK_R=max(16, triton.next_power_of_2(max(1, rope_dim // 2))),

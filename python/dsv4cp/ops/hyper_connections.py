@@ -101,18 +101,18 @@ def hc_mixes(
     return sinkhorn_split(logits, scale, base, hc_mult=hc, iters=sinkhorn_iters, eps=hc_eps)
 
 
-def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
-    """Σ_i pre[..., i] · x[..., i, :] in fp32, rounded to x.dtype: [..., H, d] → [..., d]."""
+def check_collapse_args(x: Tensor, pre: Tensor) -> None:
+    """hc_collapse's shapes (the op and its kernel twin): pre [..., H] for x [..., H, d]."""
     if pre.shape != x.shape[:-1]:
         raise ValueError(
             f"hc_collapse: pre must be {tuple(x.shape[:-1])} for x {tuple(x.shape)}, "
             f"got {tuple(pre.shape)}"
         )
-    return torch.sum(pre.float().unsqueeze(-1) * x.float(), dim=-2).to(x.dtype)
 
 
-def hc_expand(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """New streams [..., H, d]: out[j] = post[j]·y + Σ_i comb[i, j]·residual[i], fp32 → y.dtype."""
+def check_expand_args(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> None:
+    """hc_expand's shapes (the op and its kernel twin): y [..., d], residual [..., H, d],
+    post [..., H], comb [..., H, H]."""
     if residual.shape[:-2] != y.shape[:-1] or residual.shape[-1] != y.shape[-1]:
         raise ValueError(
             f"hc_expand: residual {tuple(residual.shape)} does not match y {tuple(y.shape)}"
@@ -123,6 +123,17 @@ def hc_expand(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor
             f"hc_expand: post must be {tuple(residual.shape[:-1])} and comb "
             f"{(*residual.shape[:-1], hc)}, got {tuple(post.shape)} and {tuple(comb.shape)}"
         )
+
+
+def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
+    """Σ_i pre[..., i] · x[..., i, :] in fp32, rounded to x.dtype: [..., H, d] → [..., d]."""
+    check_collapse_args(x, pre)
+    return torch.sum(pre.float().unsqueeze(-1) * x.float(), dim=-2).to(x.dtype)
+
+
+def hc_expand(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """New streams [..., H, d]: out[j] = post[j]·y + Σ_i comb[i, j]·residual[i], fp32 → y.dtype."""
+    check_expand_args(y, residual, post, comb)
     spread = post.float().unsqueeze(-1) * y.float().unsqueeze(-2)
     mixed = torch.sum(comb.float().unsqueeze(-1) * residual.float().unsqueeze(-2), dim=-3)
     return (spread + mixed).to(y.dtype)

@@ -34,9 +34,11 @@ def rowwise_linear_fp32(
     rows = x.reshape(-1, x.shape[-1]).float()
     t, k, n = rows.shape[0], rows.shape[1], w.shape[0]
     per_call = tile * call_tiles
+    if t == 0:
+        return rows.new_empty(*x.shape[:-1], n)
     pad = -t % per_call
-    if pad or t == 0:
-        rows = F.pad(rows, (0, 0, 0, pad if t else per_call))
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
     wt = w.float().t().unsqueeze(0).expand(call_tiles, -1, -1)
     out = rows.new_empty(rows.shape[0], n)
     for a in range(0, rows.shape[0], per_call):
