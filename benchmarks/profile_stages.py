@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from torch.autograd import DeviceType
@@ -34,11 +34,12 @@ def by_stage(events: list[Any], rows: int) -> dict[str, list[dict[str, object]]]
     stage that holds it in time on its stream (op "(no aten op)")."""
     acc: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     stages = {e.name for e in events if e.is_user_annotation and _on_cpu(e)}
-    carried: set[int] = set()
+    # an op's kernels by (name, duration): their device-side events are skipped below (torch
+    # 2.11's events carry no link from a kernel to its op; the op's record is its duration)
+    carried: Counter[tuple[str, float]] = Counter()
     for e in events:
         if not _on_cpu(e) or not e.kernels or e.is_user_annotation:
             continue
-        carried.add(e.id)
         p, where = e.cpu_parent, UNSTAGED
         while p is not None:
             if p.is_user_annotation:
@@ -46,14 +47,19 @@ def by_stage(events: list[Any], rows: int) -> dict[str, list[dict[str, object]]]
                 break
             p = p.cpu_parent
         for k in e.kernels:
+            carried[(k.name, k.duration)] += 1
             acc[(where, e.name, k.name)][0] += k.duration / 1e3
             acc[(where, e.name, k.name)][1] += 1
     ranges = [e for e in events if not _on_cpu(e) and e.name in stages]
     for e in events:
-        if _on_cpu(e) or e.name in stages or e.linked_correlation_id in carried:
+        if _on_cpu(e) or e.name in stages:
+            continue
+        span = e.time_range.end - e.time_range.start
+        if carried[(e.name, span)] > 0:
+            carried[(e.name, span)] -= 1
             continue
         key = (_innermost(ranges, e), "(no aten op)", e.name)
-        acc[key][0] += (e.time_range.end - e.time_range.start) / 1e3
+        acc[key][0] += span / 1e3
         acc[key][1] += 1
     out: dict[str, list[dict[str, object]]] = defaultdict(list)
     total: dict[str, float] = defaultdict(float)
