@@ -284,8 +284,16 @@ def _chunks(ids: list[int], chunk: int) -> list[list[int]]:
 
 
 def teacher_forced(
-    model: DeepseekV41Model, ref: dict[str, Tensor], cp: CPGroup, chunk: int, crit: Criteria
+    model: DeepseekV41Model,
+    ref: dict[str, Tensor],
+    cp: CPGroup,
+    chunk: int,
+    crit: Criteria,
+    agreement: Callable[[Tensor, Tensor], dict[str, float]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per block agreement (`agreement`, default `block_agreement` at `crit.ulps`) and per
+    index layer top-k agreement of a teacher-forced run against `ref`."""
+    agree = agreement or functools.partial(block_agreement, ulps=crit.ulps)
     ids = ref["input_ids"][0].tolist()
     runner = _runner(model, len(ids), cp)
     tf = TeacherForcing(model, ref)
@@ -298,7 +306,7 @@ def teacher_forced(
     for block in model.blocks:
         i = block.layer
         if f"block{i}.out" in ref:
-            got = block_agreement(tf.result(f"layer{i}"), ref[f"block{i}.out"][0], crit.ulps)
+            got = agree(tf.result(f"layer{i}"), ref[f"block{i}.out"][0])
             blocks.append({"block": i, **got})
         if f"block{i}.topk" in ref and block.attn.role.index_source:
             want = ref[f"block{i}.topk"][0].long()
