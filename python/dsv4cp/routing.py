@@ -62,6 +62,9 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     # mHC: the streams collapsed into a sublayer's input, and expanded back, one pass each
     "hc_collapse": (ops.hc_collapse, "dsv4cp.kernels.hyper_connections"),
     "hc_expand": (ops.hc_expand, "dsv4cp.kernels.hyper_connections"),
+    # the row-local fp32 GEMMs: mHC's mix logits (rms scale folded in) and the MoE gate
+    "hc_mix_logits": (ops.hc_mix_logits, "dsv4cp.kernels.rowwise"),
+    "rowwise_linear_fp32": (ops.rowwise_linear_fp32, "dsv4cp.kernels.rowwise"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -147,6 +150,8 @@ dequant_fp4 = _route("dequant_fp4")
 fake_act_quant_fp8 = _route("fake_act_quant_fp8")
 hc_collapse = _route("hc_collapse")
 hc_expand = _route("hc_expand")
+hc_mix_logits = _route("hc_mix_logits")
+rowwise_linear_fp32 = _route("rowwise_linear_fp32")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -167,6 +172,7 @@ __all__ = [
     "grouped_wo_a",
     "hc_collapse",
     "hc_expand",
+    "hc_mix_logits",
     "index_key",
     "indexer_weights",
     "kernel_backend_requested",
@@ -183,6 +189,7 @@ __all__ = [
     "rope_index_queries",
     "rope_tail_",
     "routes_off",
+    "rowwise_linear_fp32",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",

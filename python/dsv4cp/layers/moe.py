@@ -19,10 +19,12 @@ from dsv4cp.ops.moe_experts import ExpertKernels, GroupedBackend, clamped_swiglu
 from dsv4cp.ops.moe_routing import MoeSpec, route
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
-from dsv4cp.routing import dequant_fp4, fake_act_quant_fp8
+from dsv4cp.routing import dequant_fp4, fake_act_quant_fp8, rowwise_linear_fp32
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
-ROUTED_EXPERT_KERNELS = ExpertKernels(dequant_fp4, fake_act_quant_fp8)  # Triton on CUDA
+ROUTED_EXPERT_KERNELS = ExpertKernels(  # Triton on CUDA
+    dequant_fp4, fake_act_quant_fp8, rowwise_linear_fp32
+)
 _UE8M0_ONE = 127
 
 
@@ -155,7 +157,9 @@ class MoE(nn.Module):
         if row_ids is not None and row_ids.shape != x.shape[:1]:
             raise ValueError(f"moe: row_ids must be [{x.shape[0]}], got {tuple(row_ids.shape)}")
         spec, tag = self.spec, f"layer{self.layer}"
-        routing = route(x, self.gate_weight, self.gate_bias, spec)
+        routing = route(
+            x, self.gate_weight, self.gate_bias, spec, ROUTED_EXPERT_KERNELS.gate_linear
+        )
         per_rank = len(self.experts)
         plan = ep_dispatch(routing, row_ids, ep.cp_size, per_rank)
         splits = split_matrix(ep, plan.counts, tag=f"{tag}/ep_counts")  # the one host sync

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsv4cp.ops.attention import sparse_attention, sparse_attention_cached
 from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
-from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand
+from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand, hc_mix_logits
 from dsv4cp.ops.indexer import (
     candidate_blocks,
     indexer_weights,
@@ -27,6 +27,7 @@ from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output, grouped_wo_a
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
+from dsv4cp.ops.rowwise import rowwise_linear_fp32
 from dsv4cp.ops.swa import store_swa_k, swa_key
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "grouped_wo_a",
     "hc_collapse",
     "hc_expand",
+    "hc_mix_logits",
     "index_key",
     "indexer_weights",
     "linear_fp32",
@@ -59,6 +61,7 @@ __all__ = [
     "rope_index_queries",
     "rope_inv_freq",
     "rope_tail_",
+    "rowwise_linear_fp32",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",

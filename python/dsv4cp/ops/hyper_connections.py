@@ -19,6 +19,7 @@ context parallelism cannot change it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -49,8 +50,18 @@ def _check_map(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor) -> int:
     return hc
 
 
+def check_mix_args(x: Tensor, fn: Tensor) -> None:
+    """hc_mix_logits' shapes (the op and its kernel twin): x [..., H, d], fn [N, H·d]."""
+    if x.dim() < 2 or fn.dim() != 2 or fn.shape[1] != x.shape[-2] * x.shape[-1]:
+        raise ValueError(
+            f"hc_mix_logits: x must be [..., H, d] and fn [N, H·d], got {tuple(x.shape)} and "
+            f"{tuple(fn.shape)}"
+        )
+
+
 def hc_mix_logits(x: Tensor, fn: Tensor, *, norm_eps: float) -> Tensor:
     """fp32 [..., (2+H)·H]: ``fn @ flatten(x)`` scaled by the token's rsqrt(mean(x²) + norm_eps)."""
+    check_mix_args(x, fn)
     xf = x.flatten(-2).float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     return rowwise_linear_fp32(xf, fn) * rstd  # row-local bit for bit (CP, chunks)
@@ -94,11 +105,17 @@ def hc_mixes(
     norm_eps: float,
     sinkhorn_iters: int,
     hc_eps: float,
+    mix_logits: Callable[..., Tensor] | None = None,
+    split: Callable[..., HcMixes] | None = None,
 ) -> HcMixes:
-    """The coefficients one sublayer derives from the streams x [..., H, d] that enter it."""
+    """The coefficients one sublayer derives from the streams x [..., H, d] that enter it.
+    `mix_logits` / `split`: `hc_mix_logits` / `sinkhorn_split` or their kernel twins (the
+    layer passes the routed ops; ops do not import routing)."""
     hc = _check_map(x, fn, base, scale)
-    logits = hc_mix_logits(x, fn, norm_eps=norm_eps)
-    return sinkhorn_split(logits, scale, base, hc_mult=hc, iters=sinkhorn_iters, eps=hc_eps)
+    logits = (mix_logits or hc_mix_logits)(x, fn, norm_eps=norm_eps)
+    return (split or sinkhorn_split)(
+        logits, scale, base, hc_mult=hc, iters=sinkhorn_iters, eps=hc_eps
+    )
 
 
 def check_collapse_args(x: Tensor, pre: Tensor) -> None:

@@ -101,7 +101,7 @@ def moe(
     kernels on CUDA; the same math)."""
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, d], got {tuple(x.shape)}")
-    routing = route(x, gate_weight, gate_bias, spec)
+    routing = route(x, gate_weight, gate_bias, spec, kernels.gate_linear)
     per_token = routed_per_token(x, routing, experts, spec, quant, backend, kernels)
     if shared_mlp is None:
         shared_out = expert_mlp(x, *shared, swiglu_limit=spec.swiglu_limit, quant=quant)

@@ -15,19 +15,23 @@ from torch import Tensor
 from dsv4cp.ops.linear import dequant_fp4, linear
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight, stack_shape
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
+from dsv4cp.ops.rowwise import rowwise_linear_fp32
 
 GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
 
 
 class ExpertKernels(NamedTuple):
-    """The grouped experts' two elementwise steps: the ops twins by default; the layer passes
-    the routed kernels (`routing.dequant_fp4`, `routing.fake_act_quant_fp8`; ops do not import
-    routing). Both are bit for bit their twins."""
+    """The MoE's kernel-routed steps: the ops twins by default; the layer passes the routed
+    kernels (`routing.dequant_fp4`, `routing.fake_act_quant_fp8`, `routing.rowwise_linear_fp32`;
+    ops do not import routing). The first two are bit for bit their twins; the gate's GEMM is
+    row-local either way and agrees with its twin to the fp32 order bound."""
 
     # (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]
     dequant_fp4: Callable[..., Tensor] = dequant_fp4
     # x [P, K] → act_quant_fp8's codes × scales in x.dtype (qat only)
     fake_act_quant_fp8: Callable[[Tensor], Tensor] = fake_act_quant_fp8
+    # the gate's fp32 GEMM: x [T, d], w [E, d] → [T, E], each row independent of the others
+    gate_linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32
 
 
 TORCH_EXPERT_KERNELS = ExpertKernels()

@@ -5,6 +5,7 @@ routing and expert constants. The math is in `dsv4cp.ops.moe`'s docstring."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -71,9 +72,17 @@ class Routing(NamedTuple):
     weights: Tensor
 
 
-def gate_scores(x: Tensor, gate_weight: Tensor, *, scoring_func: str, gate_temp: float) -> Tensor:
-    """fp32 [T, E] affinities of each token for each routed expert."""
-    logits = rowwise_linear_fp32(x, gate_weight) / gate_temp  # row-local bit for bit
+def gate_scores(
+    x: Tensor,
+    gate_weight: Tensor,
+    *,
+    scoring_func: str,
+    gate_temp: float,
+    linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32,
+) -> Tensor:
+    """fp32 [T, E] affinities of each token for each routed expert; `linear` is the row-local
+    fp32 GEMM (the twin, or its kernel on CUDA)."""
+    logits = linear(x, gate_weight) / gate_temp  # row-local bit for bit
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":
@@ -83,14 +92,23 @@ def gate_scores(x: Tensor, gate_weight: Tensor, *, scoring_func: str, gate_temp:
     raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
 
 
-def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor | None, spec: MoeSpec) -> Routing:
-    """Pick ``top_k`` experts per token by scores + bias; weight them by the unbiased scores."""
+def route(
+    x: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor | None,
+    spec: MoeSpec,
+    linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32,
+) -> Routing:
+    """Pick ``top_k`` experts per token by scores + bias; weight them by the unbiased scores
+    (`linear`: the gate's row-local fp32 GEMM, `gate_scores`)."""
     if gate_weight.shape != (spec.n_routed_experts, x.shape[-1]):
         raise ValueError(
             f"route: gate weight must be [{spec.n_routed_experts}, {x.shape[-1]}], "
             f"got {tuple(gate_weight.shape)}"
         )
-    scores = gate_scores(x, gate_weight, scoring_func=spec.scoring_func, gate_temp=spec.gate_temp)
+    scores = gate_scores(
+        x, gate_weight, scoring_func=spec.scoring_func, gate_temp=spec.gate_temp, linear=linear
+    )
     select = scores if gate_bias is None else scores + gate_bias.float()
     order = torch.sort(select, dim=-1, descending=True, stable=True).indices
     experts = order[:, : spec.num_experts_per_tok].sort(dim=-1).values

@@ -11,8 +11,11 @@ are then bit-identical under any CP split or chunking. Used only for those small
 The batch count is fixed too: cuBLAS may also pick its algorithm by the number of batched
 tiles. With one bmm over all tiles (the earlier form), the H200 gave CP 1 and CP 2 (3 and 2 tiles
 per call) bit-identical results on the tiny fixture but CP 3 and CP 4 (one tile) 2e-7 apart, and
-in qat that moved a top-k entry: this op is the suspected cause, not yet confirmed on the device
-(docs/performance.md §7).
+in qat that moved a top-k entry; with the fixed shape, `check --cp 4 --quant qat` on the H200 is
+bit-identical to CP 1 (fake ranks and gloo processes, serial and multistream).
+
+On CUDA the routed kernel twin (`kernels/rowwise.py`) replaces the per-call loop: a Triton GEMM
+whose K loop never depends on the row count, row-local by construction.
 """
 
 from __future__ import annotations
@@ -25,14 +28,18 @@ ROW_TILE = 64
 CALL_TILES = 4  # tiles per batched GEMM: every call has this one shape
 
 
-def rowwise_linear_fp32(
-    x: Tensor, w: Tensor, *, tile: int = ROW_TILE, call_tiles: int = CALL_TILES
-) -> Tensor:
-    """fp32 x [..., K] · wᵀ → [..., N], each row computed by the same fixed-shape batched GEMM."""
-    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+def check_rowwise_args(x: Tensor, w: Tensor) -> None:
+    """rowwise_linear_fp32's shapes (the op and its kernel twin): w [N, K] for x [..., K]."""
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"rowwise_linear_fp32: x {tuple(x.shape)} and w {tuple(w.shape)}")
+
+
+def rowwise_linear_fp32(x: Tensor, w: Tensor) -> Tensor:
+    """fp32 x [..., K] · wᵀ → [..., N], each row computed by the same fixed-shape batched GEMM."""
+    check_rowwise_args(x, w)
     rows = x.reshape(-1, x.shape[-1]).float()
     t, k, n = rows.shape[0], rows.shape[1], w.shape[0]
+    tile, call_tiles = ROW_TILE, CALL_TILES
     per_call = tile * call_tiles
     if t == 0:
         return rows.new_empty(*x.shape[:-1], n)
