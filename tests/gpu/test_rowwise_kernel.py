@@ -19,7 +19,8 @@ pytestmark = [
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return 2 * x.shape[-1] * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    # the order bound of tests/kernels/test_rowwise_kernel.py (three-TF32 products included)
+    return (2 * x.shape[-1] * 2.0**-24 + 2.0**-20) * (x.double().abs() @ w.double().abs().t())
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, name: str) -> None:
