@@ -228,7 +228,7 @@ def profile_stages(model: DeepseekV41Model, tokens: int, device: str) -> dict[st
             if device == "cuda":
                 torch.cuda.synchronize()
         runner.release("r")
-    stages = by_stage(list(prof.events()), 6)
+    stages = by_stage(list(prof.events()), 12)
     print(f"  profile, {tokens} tokens: CUDA time by stage (largest kernels)")
     for where, kernels in stages.items():
         print(f"    {where}: {float(kernels[0]['cuda_ms']):.2f} ms")
