@@ -65,6 +65,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     # the row-local fp32 GEMMs: mHC's mix logits (rms scale folded in) and the MoE gate
     "hc_mix_logits": (ops.hc_mix_logits, "dsv4cp.kernels.rowwise"),
     "rowwise_linear_fp32": (ops.rowwise_linear_fp32, "dsv4cp.kernels.rowwise"),
+    # the routed experts' projection, fp4 decoded inside the GEMM (one launch, no host sync)
+    "grouped_fp4_mm": (ops.grouped_fp4_mm, "dsv4cp.kernels.moe_fp4_gemm"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -152,6 +154,7 @@ hc_collapse = _route("hc_collapse")
 hc_expand = _route("hc_expand")
 hc_mix_logits = _route("hc_mix_logits")
 rowwise_linear_fp32 = _route("rowwise_linear_fp32")
+grouped_fp4_mm = _route("grouped_fp4_mm")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -168,6 +171,7 @@ __all__ = [
     "dequant_fp4",
     "fake_act_quant_fp8",
     "fp8_linear",
+    "grouped_fp4_mm",
     "grouped_output",
     "grouped_wo_a",
     "hc_collapse",

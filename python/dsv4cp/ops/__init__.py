@@ -23,6 +23,7 @@ from dsv4cp.ops.indexer_topk import (
 )
 from dsv4cp.ops.linear import dequant_fp4, fp8_linear
 from dsv4cp.ops.matmul import linear_fp32
+from dsv4cp.ops.moe_experts import grouped_fp4_mm
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output, grouped_wo_a
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
@@ -41,6 +42,7 @@ __all__ = [
     "dequant_fp4",
     "fake_act_quant_fp8",
     "fp8_linear",
+    "grouped_fp4_mm",
     "grouped_output",
     "grouped_wo_a",
     "hc_collapse",

@@ -32,6 +32,9 @@ class ExpertKernels(NamedTuple):
     fake_act_quant_fp8: Callable[[Tensor], Tensor] = fake_act_quant_fp8
     # the gate's fp32 GEMM: x [T, d], w [E, d] → [T, E], each row independent of the others
     gate_linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32
+    # one projection of every expert in one call, (xq, counts, stack) → [P, N] (None: the
+    # chunked torch._grouped_mm path over weights dequantized first)
+    grouped_fp4_mm: Callable[[Tensor, Tensor, ExpertStack], Tensor] | None = None
 
 
 TORCH_EXPERT_KERNELS = ExpertKernels()
@@ -61,6 +64,33 @@ def expert_mlp(
     if route_weight is not None:
         h = route_weight.float().unsqueeze(-1) * h
     return linear(h.to(x.dtype), *w2, quant)
+
+
+def check_grouped_fp4_args(xq: Tensor, counts: Tensor, stack: ExpertStack) -> tuple[int, int]:
+    """grouped_fp4_mm's shapes (the op and its kernel twin); returns the stack's (N, K)."""
+    if counts.dim() != 1 or counts.is_floating_point():
+        raise ValueError(f"grouped_fp4_mm: counts must be integer [E], got {counts.dtype}")
+    n_out, k = stack_shape("grouped_fp4_mm stack", stack, counts.shape[0])
+    if xq.dim() != 2 or xq.shape[1] != k:
+        raise ValueError(f"grouped_fp4_mm: xq must be [P, {k}], got {tuple(xq.shape)}")
+    return n_out, k
+
+
+def grouped_fp4_mm(xq: Tensor, counts: Tensor, stack: ExpertStack) -> Tensor:
+    """xq [P, K] sorted by expert (rows [offs[e-1], offs[e]) go to expert e, offs = cumsum(counts
+    [E])) times each expert's fp4 weight [N, K] → [P, N] in xq.dtype: the weight dequantized
+    exactly, exact products summed in fp32, one rounding (the kernel's numerics; its twin)."""
+    n_out, _ = check_grouped_fp4_args(xq, counts, stack)
+    out = xq.new_empty(xq.shape[0], n_out)
+    if counts.sum().item() != xq.shape[0]:
+        raise ValueError(f"grouped_fp4_mm: counts sum to {int(counts.sum())}, xq has {len(xq)}")
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            w = dequant_fp4(stack.weight[e], stack.scale[e], out_dtype=torch.float32)
+            out[start : start + n] = (xq[start : start + n].float() @ w.t()).to(xq.dtype)
+        start += n
+    return out
 
 
 def _grouped_projection(
@@ -135,18 +165,27 @@ def grouped_expert_mlp(
     if backend == "masked":
         return _masked_experts(x_sorted, counts, w1, w3, w2, route_weight, swiglu_limit, quant)
     if backend == "grouped_mm":
-        # chunk boundaries need host offsets; a single chunk needs none (no device sync)
-        ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
-        chunking = (ends, counts, expert_chunk, kernels.dequant_fp4)
+        fused = kernels.grouped_fp4_mm
+        if fused is not None:  # one call per projection, no host sync
+
+            def project(v: Tensor, stack: ExpertStack) -> Tensor:
+                return fused(v, counts, stack)
+
+        else:
+            # chunk boundaries need host offsets; a single chunk needs none (no device sync)
+            ends = None if expert_chunk >= n_experts else counts.cumsum(0).tolist()
+            chunking = (ends, counts, expert_chunk, kernels.dequant_fp4)
+
+            def project(v: Tensor, stack: ExpertStack) -> Tensor:
+                return _grouped_projection(v, stack, *chunking)
 
         def quantized(v: Tensor) -> Tensor:
             return kernels.fake_act_quant_fp8(v) if quant == "qat" else v
 
         xq = quantized(x_sorted)  # once for both w1 and w3
-        h1 = _grouped_projection(xq, w1, *chunking)
-        h3 = _grouped_projection(xq, w3, *chunking)
+        h1, h3 = project(xq, w1), project(xq, w3)
         h = route_weight.float().unsqueeze(-1) * clamped_swiglu(h1, h3, swiglu_limit)
-        return _grouped_projection(quantized(h.to(x_sorted.dtype)), w2, *chunking)
+        return project(quantized(h.to(x_sorted.dtype)), w2)
     if backend != "loop":
         raise ValueError(
             f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"
