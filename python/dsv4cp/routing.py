@@ -62,6 +62,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     # mHC: the streams collapsed into a sublayer's input, and expanded back, one pass each
     "hc_collapse": (ops.hc_collapse, "dsv4cp.kernels.hyper_connections"),
     "hc_expand": (ops.hc_expand, "dsv4cp.kernels.hyper_connections"),
+    # mHC's pre / post / Sinkhorn-normalised comb from the mix logits: one launch, not ~80
+    "sinkhorn_split": (ops.sinkhorn_split, "dsv4cp.kernels.sinkhorn"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -147,6 +149,7 @@ dequant_fp4 = _route("dequant_fp4")
 fake_act_quant_fp8 = _route("fake_act_quant_fp8")
 hc_collapse = _route("hc_collapse")
 hc_expand = _route("hc_expand")
+sinkhorn_split = _route("sinkhorn_split")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -183,6 +186,7 @@ __all__ = [
     "rope_index_queries",
     "rope_tail_",
     "routes_off",
+    "sinkhorn_split",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",
