@@ -91,10 +91,11 @@ def _sinkhorn_kernel(
     b = tl.load(base_ptr + 2 * H + ij, mask=ij_ok, other=0.0)
     c = m * s2 + b
     c = tl.where(k3 < H, c, float("-inf"))
-    c = exp(c - tl.max(c, axis=2, keep_dims=True), PRECISE)  # padded columns: exp(-inf) = 0
-    c = tl.where(ij_ok, c, 0.0)
+    c = exp(c - tl.max(c, axis=2, keep_dims=True), PRECISE)
+    # Padded lanes never enter a sum (`_sequential_sum` picks k < H); holding 1 there keeps
+    # their own quotients finite (no 0 / 0 when eps = 0).
+    c = tl.where(ij_ok, c, 1.0)
     c = div(c, _sequential_sum(c, k3, 2, H), PRECISE) + eps
-    c = tl.where(ij_ok, c, 0.0)
     c = div(c, _sequential_sum(c, i3, 1, H) + eps, PRECISE)
     for _ in range(iters - 1):
         c = div(c, _sequential_sum(c, k3, 2, H) + eps, PRECISE)
