@@ -67,6 +67,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "rowwise_linear_fp32": (ops.rowwise_linear_fp32, "dsv4cp.kernels.rowwise"),
     # the routed experts' projection, fp4 decoded inside the GEMM (one launch, no host sync)
     "grouped_fp4_mm": (ops.grouped_fp4_mm, "dsv4cp.kernels.moe_fp4_gemm"),
+    # mHC's pre / post / Sinkhorn-normalised comb from the mix logits: one launch, not ~80
+    "sinkhorn_split": (ops.sinkhorn_split, "dsv4cp.kernels.sinkhorn"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory.
@@ -155,6 +157,7 @@ hc_expand = _route("hc_expand")
 hc_mix_logits = _route("hc_mix_logits")
 rowwise_linear_fp32 = _route("rowwise_linear_fp32")
 grouped_fp4_mm = _route("grouped_fp4_mm")
+sinkhorn_split = _route("sinkhorn_split")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -194,6 +197,7 @@ __all__ = [
     "rope_tail_",
     "routes_off",
     "rowwise_linear_fp32",
+    "sinkhorn_split",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",

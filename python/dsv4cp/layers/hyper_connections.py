@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops.hyper_connections import HcMixes, hc_mixes
-from dsv4cp.routing import hc_collapse, hc_expand, hc_mix_logits
+from dsv4cp.routing import hc_collapse, hc_expand, hc_mix_logits, sinkhorn_split
 
 __all__ = ["HyperConnection", "hc_collapse", "hc_expand", "hc_sublayer"]
 
@@ -50,6 +50,7 @@ class HyperConnection(nn.Module):
             sinkhorn_iters=self.sinkhorn_iters,
             hc_eps=self.hc_eps,
             mix_logits=hc_mix_logits,
+            split=sinkhorn_split,
         )
 
     def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsv4cp.ops.attention import sparse_attention, sparse_attention_cached
 from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
-from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand, hc_mix_logits
+from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand, hc_mix_logits, sinkhorn_split
 from dsv4cp.ops.indexer import (
     candidate_blocks,
     indexer_weights,
@@ -64,6 +64,7 @@ __all__ = [
     "rope_inv_freq",
     "rope_tail_",
     "rowwise_linear_fp32",
+    "sinkhorn_split",
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",

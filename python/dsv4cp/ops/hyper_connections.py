@@ -67,6 +67,28 @@ def hc_mix_logits(x: Tensor, fn: Tensor, *, norm_eps: float) -> Tensor:
     return rowwise_linear_fp32(xf, fn) * rstd  # row-local bit for bit (CP, chunks)
 
 
+def check_sinkhorn_args(
+    logits: Tensor, scale: Tensor, base: Tensor, *, hc_mult: int, iters: int
+) -> None:
+    """sinkhorn_split's arguments (the op and its kernel twin): logits [..., (2+H)·H], scale [3],
+    base [(2+H)·H], H = hc_mult >= 1, iters >= 1."""
+    if iters < 1:
+        raise ValueError(f"sinkhorn_split: hc_sinkhorn_iters must be >= 1, got {iters}")
+    h = hc_mult
+    if h < 1:
+        raise ValueError(f"sinkhorn_split: hc_mult must be >= 1, got {h}")
+    mix = (2 + h) * h
+    if logits.dim() < 1 or logits.shape[-1] != mix:
+        raise ValueError(
+            f"sinkhorn_split: logits last dim must be {mix} for hc_mult={h}, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    if tuple(scale.shape) != (3,):
+        raise ValueError(f"sinkhorn_split: scale must be [3], got {tuple(scale.shape)}")
+    if tuple(base.shape) != (mix,):
+        raise ValueError(f"sinkhorn_split: base must be [{mix}], got {tuple(base.shape)}")
+
+
 def sinkhorn_split(
     logits: Tensor, scale: Tensor, base: Tensor, *, hc_mult: int, iters: int, eps: float
 ) -> HcMixes:
@@ -75,14 +97,8 @@ def sinkhorn_split(
     The operation order is the reference kernel's (``hc_split_sinkhorn``), so the result agrees
     with it to the last few fp32 ulps (``exp``/``sigmoid`` implementations may differ).
     """
-    if iters < 1:
-        raise ValueError(f"sinkhorn_split: hc_sinkhorn_iters must be >= 1, got {iters}")
+    check_sinkhorn_args(logits, scale, base, hc_mult=hc_mult, iters=iters)
     h = hc_mult
-    if logits.shape[-1] != (2 + h) * h:
-        raise ValueError(
-            f"sinkhorn_split: logits last dim must be {(2 + h) * h} for hc_mult={h}, "
-            f"got {logits.shape[-1]}"
-        )
     m, s, b = logits.float(), scale.float(), base.float()
     pre = torch.sigmoid(m[..., :h] * s[0] + b[:h]) + eps
     post = 2 * torch.sigmoid(m[..., h : 2 * h] * s[1] + b[h : 2 * h])
