@@ -1,11 +1,11 @@
 """The routed experts of one MoE layer at Flash dims (384 fp4 experts, top-6, d 5120, inter
 2304), qat, bf16, two ways in one run on the same inputs:
 
-- `chunked`: `grouped_expert_mlp(backend="grouped_mm")` with the routed dequant / act-quant
-  kernels — per 32 experts, the fp4 weights dequantized to bf16 (Triton) and one
-  `torch._grouped_mm` per projection (CUTLASS), chunk ends read on the host;
-- `fused`: the same with `kernels.moe_fp4_gemm.grouped_fp4_mm`, one launch per projection, the
-  fp4 codes decoded inside the GEMM, no host sync.
+- `chunked`: `grouped_expert_mlp(backend="grouped_mm")` with the layer's routed kernels — per
+  32 experts, the fp4 weights dequantized to bf16 (Triton) and one `torch._grouped_mm` per
+  projection (CUTLASS), chunk ends read on the host;
+- `fused`: `backend="fused"`, `kernels.moe_fp4_gemm.grouped_fp4_mm`: one launch per projection,
+  the fp4 codes decoded inside the GEMM, no host sync.
 
 Routing: token-expert pairs drawn from a skewed random gate (some experts nearly empty). Prints
 ms, TFLOP/s of the three projections' FLOPs (2·3·d·inter per pair), the ratio chunked / fused,
@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
-from dsv4cp.kernels.moe_fp4_gemm import grouped_fp4_mm
 from dsv4cp.layers.moe import ROUTED_EXPERT_KERNELS
 from dsv4cp.ops.moe_experts import grouped_expert_mlp
 from dsv4cp.ops.moe_weights import ExpertStack
@@ -52,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     w1, w3, w2 = _stack(INTER, DIM, g), _stack(INTER, DIM, g), _stack(DIM, INTER, g)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ceiling = tflops(2 * 8192**3, time_cuda(lambda: a @ a, warmup=3, iters=10)["median_ms"])
-    fused_kernels = ROUTED_EXPERT_KERNELS._replace(grouped_fp4_mm=grouped_fp4_mm)
     table = Table(
         title=f"routed experts, {EXPERTS} fp4 experts top-{TOP_K}, d {DIM}, inter {INTER}, "
         f"qat, bf16 (bf16 GEMM ceiling {ceiling:.0f} TFLOP/s)"
@@ -68,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
         run = partial(
             grouped_expert_mlp, x, counts, w1, w3, w2, route_weight=rw, swiglu_limit=10.0,
-            quant="qat", backend="grouped_mm",
+            quant="qat", kernels=ROUTED_EXPERT_KERNELS,
         )  # fmt: skip
 
         flops = 2 * 3 * DIM * INTER * pairs
-        chunked = partial(run, kernels=ROUTED_EXPERT_KERNELS)
-        fused = partial(run, kernels=fused_kernels)
+        chunked = partial(run, backend="grouped_mm")
+        fused = partial(run, backend="fused")
         chunked_ms = time_cuda(chunked, warmup=2, iters=args.iters)
         fused_ms = time_cuda(fused, warmup=2, iters=args.iters)
         ref, got = chunked().float(), fused().float()

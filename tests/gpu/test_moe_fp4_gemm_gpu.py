@@ -60,11 +60,14 @@ def test_moe_with_the_fused_projection_equals_the_chunked_path() -> None:
     counts = _counts(8192, e, g)
     x = torch.randn(int(counts.sum()), d, device="cuda", generator=g).bfloat16()
     rw = torch.rand(x.shape[0], device="cuda", generator=g)
-    args = dict(route_weight=rw, swiglu_limit=7.0, quant="qat", backend="grouped_mm")
+    args = dict(route_weight=rw, swiglu_limit=7.0, quant="qat")
     fused = ops_moe.grouped_expert_mlp(
-        x, counts, w1, w3, w2, kernels=ops_moe.ExpertKernels(grouped_fp4_mm=grouped_fp4_mm), **args
+        x, counts, w1, w3, w2, backend="fused",
+        kernels=ops_moe.ExpertKernels(grouped_fp4_mm=grouped_fp4_mm), **args,
+    )  # fmt: skip
+    chunked = ops_moe.grouped_expert_mlp(
+        x, counts, w1, w3, w2, backend="grouped_mm", expert_chunk=16, **args
     )
-    chunked = ops_moe.grouped_expert_mlp(x, counts, w1, w3, w2, expert_chunk=16, **args)
     rel = float((fused.float() - chunked.float()).norm() / chunked.float().norm())
     print(f"MoE fused vs chunked: rel rms {rel:.3g}")
     assert rel <= 2.0**-8  # one bf16 rounding where the fp32 sums' orders differ

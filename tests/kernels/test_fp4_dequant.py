@@ -44,13 +44,13 @@ def test_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
     import triton.language as tl
 
-    from dsv4cp.kernels.fp4_dequant import _dequant_fp4_kernel
+    from dsv4cp.kernels.fp4_dequant import _BLOCK_K, _BLOCK_R, _WARPS, _dequant_fp4_kernel
     from tests.kernels.test_indexer_topk_compile import _compile
 
     for out, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         types = ["*u8", "*fp32", f"*{name}", "i32", "i32", "i32", "i32", "i32"]
-        const = dict(BLOCK=32, BLOCK_R=8, BLOCK_K=1024, OUT_DTYPE=out, EMULATE=False)
-        _compile(_dequant_fp4_kernel, types, const, 8, 1)
+        const = dict(BLOCK=32, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, OUT_DTYPE=out, EMULATE=False)
+        _compile(_dequant_fp4_kernel, types, const, _WARPS, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)

@@ -123,7 +123,7 @@ def _cases() -> dict[str, object]:
         kernels = ops_moe.ExpertKernels(grouped_fp4_mm=kernel.grouped_fp4_mm)
         args = dict(route_weight=rw, swiglu_limit=7.0, quant="none")
         fused = ops_moe.grouped_expert_mlp(
-            x, counts, w1, w3, w2, backend="grouped_mm", kernels=kernels, **args
+            x, counts, w1, w3, w2, backend="fused", kernels=kernels, **args
         )
         loop = ops_moe.grouped_expert_mlp(x, counts, w1, w3, w2, backend="loop", **args)
         rel = float((fused.float() - loop.float()).norm() / loop.float().norm())

@@ -22,9 +22,10 @@ from dsv4cp.kernels.kv_decode import _minifloat
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp4_weight
 from dsv4cp.ops.quant import scale_to_float
 
-_BLOCK_R, _BLOCK_K, _WARPS = 8, 1024, 8  # 8K outputs per program (the MoE dequantizes 32
-# experts × 2304 rows × 5120 per launch: one 1K-wide row piece per program left the H200 at
-# ~2.1 TB/s, 0.45 ms per launch)
+# one 1K-wide piece of one row per program: at the MoE's launch (32 experts × 2304 rows × 5120)
+# the H200 measured 0.61 ms per launch with it, 0.96 ms with 8 rows × 1K and 8 warps (that
+# change also cost model_layers ~16 ms per MoE layer; reverted)
+_BLOCK_R, _BLOCK_K, _WARPS = 1, 1024, 4
 
 
 @triton.jit

@@ -19,21 +19,12 @@ from dsv4cp.ops.moe_experts import ExpertKernels, GroupedBackend, clamped_swiglu
 from dsv4cp.ops.moe_routing import MoeSpec, route
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight
 from dsv4cp.ops.quant import QuantMode
-from dsv4cp.routing import (
-    dequant_fp4,
-    fake_act_quant_fp8,
-    grouped_fp4_mm,
-    rowwise_linear_fp32,
-    use_kernels,
-)
+from dsv4cp.routing import dequant_fp4, fake_act_quant_fp8, grouped_fp4_mm, rowwise_linear_fp32
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 ROUTED_EXPERT_KERNELS = ExpertKernels(  # Triton on CUDA
-    dequant_fp4, fake_act_quant_fp8, rowwise_linear_fp32
+    dequant_fp4, fake_act_quant_fp8, rowwise_linear_fp32, grouped_fp4_mm
 )
-# the same with every projection one fused fp4 launch (kernels/moe_fp4_gemm.py): taken on CUDA
-# unless DSV4CP_KERNELS_OFF names grouped_fp4_mm (then the chunked torch._grouped_mm path)
-FUSED_EXPERT_KERNELS = ROUTED_EXPERT_KERNELS._replace(grouped_fp4_mm=grouped_fp4_mm)
 _UE8M0_ONE = 127
 
 
@@ -144,9 +135,7 @@ class MoE(nn.Module):
             quant=quant,
             backend=backend,
             shared_mlp=lambda y: self.shared_mlp(y, quant),
-            kernels=FUSED_EXPERT_KERNELS
-            if use_kernels(x, "grouped_fp4_mm")
-            else ROUTED_EXPERT_KERNELS,
+            kernels=ROUTED_EXPERT_KERNELS,
         )
 
     def _forward_ep(

@@ -17,27 +17,7 @@ from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight, stack_shape
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rowwise import rowwise_linear_fp32
 
-GroupedBackend = Literal["auto", "loop", "grouped_mm", "masked"]
-
-
-class ExpertKernels(NamedTuple):
-    """The MoE's kernel-routed steps: the ops twins by default; the layer passes the routed
-    kernels (`routing.dequant_fp4`, `routing.fake_act_quant_fp8`, `routing.rowwise_linear_fp32`;
-    ops do not import routing). The first two are bit for bit their twins; the gate's GEMM is
-    row-local either way and agrees with its twin to the fp32 order bound."""
-
-    # (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]
-    dequant_fp4: Callable[..., Tensor] = dequant_fp4
-    # x [P, K] → act_quant_fp8's codes × scales in x.dtype (qat only)
-    fake_act_quant_fp8: Callable[[Tensor], Tensor] = fake_act_quant_fp8
-    # the gate's fp32 GEMM: x [T, d], w [E, d] → [T, E], each row independent of the others
-    gate_linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32
-    # one projection of every expert in one call, (xq, counts, stack) → [P, N] (None: the
-    # chunked torch._grouped_mm path over weights dequantized first)
-    grouped_fp4_mm: Callable[[Tensor, Tensor, ExpertStack], Tensor] | None = None
-
-
-TORCH_EXPERT_KERNELS = ExpertKernels()
+GroupedBackend = Literal["auto", "loop", "grouped_mm", "fused", "masked"]
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -93,6 +73,25 @@ def grouped_fp4_mm(xq: Tensor, counts: Tensor, stack: ExpertStack) -> Tensor:
     return out
 
 
+class ExpertKernels(NamedTuple):
+    """The MoE's kernel-routed steps: the ops twins by default; the layer passes the routed
+    kernels (`routing.dequant_fp4`, `routing.fake_act_quant_fp8`, `routing.rowwise_linear_fp32`;
+    ops do not import routing). The first two are bit for bit their twins; the gate's GEMM is
+    row-local either way and agrees with its twin to the fp32 order bound."""
+
+    # (packed [N, K/2], scale [N, K/32], *, out_dtype) → [N, K]
+    dequant_fp4: Callable[..., Tensor] = dequant_fp4
+    # x [P, K] → act_quant_fp8's codes × scales in x.dtype (qat only)
+    fake_act_quant_fp8: Callable[[Tensor], Tensor] = fake_act_quant_fp8
+    # the gate's fp32 GEMM: x [T, d], w [E, d] → [T, E], each row independent of the others
+    gate_linear: Callable[[Tensor, Tensor], Tensor] = rowwise_linear_fp32
+    # backend "fused": one projection of every expert in one call, (xq, counts, stack) → [P, N]
+    grouped_fp4_mm: Callable[[Tensor, Tensor, ExpertStack], Tensor] = grouped_fp4_mm
+
+
+TORCH_EXPERT_KERNELS = ExpertKernels()
+
+
 def _grouped_projection(
     xq: Tensor,
     stack: ExpertStack,
@@ -137,7 +136,9 @@ def grouped_expert_mlp(
     ``"loop"`` (the torch twin, the reference numerics): one ``expert_mlp`` per non-empty expert
     on its contiguous slice. ``"grouped_mm"``: three ``torch._grouped_mm`` launches per chunk of
     ``expert_chunk`` experts, the fp4 weights dequantized chunk by chunk; it differs from the loop
-    only in the fp32 summation order inside a GEMM. ``"masked"``: every expert on every row,
+    only in the fp32 summation order inside a GEMM. ``"fused"``: ``kernels.grouped_fp4_mm`` once
+    per projection (no host sync; on the H200 6x slower than grouped_mm, so never "auto"'s
+    choice: docs/model.md). ``"masked"``: every expert on every row,
     kept where the row is the expert's — no host sync, for CUDA graph capture of small models
     (E times the work). ``"auto"``: grouped_mm for CUDA bf16, masked while a CUDA stream is
     capturing, else loop.
@@ -164,12 +165,11 @@ def grouped_expert_mlp(
             backend = "loop"
     if backend == "masked":
         return _masked_experts(x_sorted, counts, w1, w3, w2, route_weight, swiglu_limit, quant)
-    if backend == "grouped_mm":
-        fused = kernels.grouped_fp4_mm
-        if fused is not None:  # one call per projection, no host sync
+    if backend in ("grouped_mm", "fused"):
+        if backend == "fused":  # one call per projection, no host sync
 
             def project(v: Tensor, stack: ExpertStack) -> Tensor:
-                return fused(v, counts, stack)
+                return kernels.grouped_fp4_mm(v, counts, stack)
 
         else:
             # chunk boundaries need host offsets; a single chunk needs none (no device sync)
@@ -188,7 +188,7 @@ def grouped_expert_mlp(
         return project(quantized(h.to(x_sorted.dtype)), w2)
     if backend != "loop":
         raise ValueError(
-            f"backend must be 'auto', 'loop', 'grouped_mm' or 'masked', got {backend!r}"
+            f"backend must be 'auto', 'loop', 'grouped_mm', 'fused' or 'masked', got {backend!r}"
         )
     out = x_sorted.new_empty(x_sorted.shape)
     start = 0
