@@ -139,9 +139,12 @@ def recording_routes(into: list[torch.Tensor]) -> Iterator[None]:
 def check_paths(model: DeepseekV41Model, tokens: int) -> dict[str, Any]:
     """The GPU path against the torch path on one prompt. The bf16 paths round differently, and
     a rounding can flip a token's expert choice (a discrete step: that token's MoE output then
-    differs by O(1)); so the equality is judged on the tokens whose experts agreed in every
-    block, and the flips are counted per block."""
-    prompt = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
+    differs by O(1), and free-running later blocks carry it); so the flips are counted per
+    block and reported, and the equality is judged teacher-forced (`tools.path_check`)."""
+    # a fixed prompt: at nearly tied gate scores the flip count varies from prompt to prompt
+    prompt = torch.randint(
+        0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     fast_routes: list[torch.Tensor] = []
     ref_routes: list[torch.Tensor] = []
     with torch.inference_mode():
