@@ -13,6 +13,15 @@ import triton.language as tl
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def check_tl_dtype(t: torch.Tensor, what: str) -> None:
+    """A ValueError naming `what` unless t's dtype is one the kernels load and store."""
+    if t.dtype not in TL_DTYPES:
+        taken = sorted(map(str, TL_DTYPES))
+        raise ValueError(
+            f"{what} must be one of {taken}, the dtypes these kernels take; got {t.dtype}"
+        )
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, check_tl_dtype, interpreting, to_dtype
 from dsv4cp.ops.hyper_connections import check_collapse_args, check_expand_args
 
 BLOCK_D = 512
@@ -88,9 +88,7 @@ def _hc_expand_kernel(
 
 
 def _rows(x: Tensor) -> Tensor:
-    if x.dtype not in TL_DTYPES:
-        taken = sorted(map(str, TL_DTYPES))
-        raise ValueError(f"hyper-connection kernels take {taken}, got {x.dtype}")
+    check_tl_dtype(x, "hyper-connection kernels: the streams")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

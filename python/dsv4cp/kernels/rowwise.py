@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import TL_DTYPES
+from dsv4cp.kernels._triton import check_tl_dtype
 from dsv4cp.ops.hyper_connections import check_mix_args
 from dsv4cp.ops.rowwise import check_rowwise_args
 
@@ -82,8 +82,7 @@ def _rowwise_kernel(
 
 
 def _launch(rows: Tensor, w: Tensor, *, rms_eps: float | None) -> Tensor:
-    if rows.dtype not in TL_DTYPES:
-        raise ValueError(f"rowwise kernels take {sorted(map(str, TL_DTYPES))}, got {rows.dtype}")
+    check_tl_dtype(rows, "rowwise kernels: x")
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     wf = w.float().contiguous()
     m, k = rows.shape

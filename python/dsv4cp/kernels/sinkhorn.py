@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import TL_DTYPES, interpreting
+from dsv4cp.kernels._triton import check_tl_dtype, interpreting
 from dsv4cp.kernels.precise_math import div, exp
 from dsv4cp.ops.hyper_connections import HcMixes, check_sinkhorn_args
 
@@ -111,9 +111,7 @@ def sinkhorn_split(
     """
     check_sinkhorn_args(logits, scale, base, hc_mult=hc_mult, iters=iters)
     for name, x in (("logits", logits), ("scale", scale), ("base", base)):
-        if x.dtype not in TL_DTYPES:
-            taken = sorted(map(str, TL_DTYPES))
-            raise ValueError(f"sinkhorn_split kernel: {name} must be one of {taken}, got {x.dtype}")
+        check_tl_dtype(x, f"sinkhorn_split kernel: {name}")
     h = hc_mult
     lead = logits.shape[:-1]
     rows = logits.reshape(-1, logits.shape[-1])
