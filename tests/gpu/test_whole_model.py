@@ -3,7 +3,7 @@ read from the host memmap) against the torch path and against DeepSeek's referen
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
-from dsv4cp.tools.path_check import compare_paths
+from dsv4cp.tools.path_check import compare_paths, torch_path
 from dsv4cp.tools.reference_check import block_agreement, logits_agreement
 from tests.model import test_whole_model_reference as composition
 
@@ -23,29 +23,19 @@ pytestmark = [
 ]
 
 
-def _logits(model: DeepseekV41Model, prompt: list[int], *, torch_path: bool) -> torch.Tensor:
-    old = os.environ.get("DSV4CP_KERNELS")
-    if torch_path:
-        os.environ["DSV4CP_KERNELS"] = "torch"
-        model.set_moe_backend("loop")
-    try:
+def _logits(model: DeepseekV41Model, prompt: list[int], *, torch_twins: bool) -> torch.Tensor:
+    with torch_path(model) if torch_twins else contextlib.nullcontext():
         runner = PrefillRunner(model, num_slots=1024, max_context=512)
         out = runner.prefill({"a": prompt}, return_all_logits=True).all_logits
-        assert out is not None
-        return out.cpu()
-    finally:
-        model.set_moe_backend("auto")
-        if old is None:
-            os.environ.pop("DSV4CP_KERNELS", None)
-        else:
-            os.environ["DSV4CP_KERNELS"] = old
+    assert out is not None
+    return out.cpu()
 
 
 def test_tiny_full_gpu_path_equals_torch_path_fp32() -> None:
     model = DeepseekV41Model(DeepseekV41Config.tiny_full(), device="cuda", seed=3)
     prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    fast = _logits(model, prompt, torch_path=False)
-    ref = _logits(model, prompt, torch_path=True)
+    fast = _logits(model, prompt, torch_twins=False)
+    ref = _logits(model, prompt, torch_twins=True)
     got = logits_agreement(fast, ref)
     assert got["rms_rel"] <= 1e-4 and got["top1_agree"] >= 0.98, got  # TF32-free fp32
 
@@ -54,8 +44,9 @@ def test_tiny_full_gpu_path_equals_torch_path_bf16() -> None:
     """bf16: the two paths round differently, and one rounding at a selection's cut flips a
     token's experts (an O(1) change of its MoE output); run end to end, later blocks carry it
     (measured on the H200: logits 15.5 % rms, top-1 89 % over 300 tokens). So the GPU path is
-    judged teacher-forced on the torch path's record, by reference-check's criteria
-    (`tools.path_check`): every block >= 95 % of tokens within 2 bf16 ulps, top-k up to ties."""
+    judged teacher-forced on the torch path's record (`tools.path_check`): every block >= 95 %
+    of tokens agreeing (in `none` bf16: within 1e-2 relative rms per token, the attention
+    kernels' bf16 inputs), top-k up to ties."""
     model = DeepseekV41Model(
         DeepseekV41Config.tiny_full(), dtype=torch.bfloat16, device="cuda", seed=3
     )

@@ -30,7 +30,7 @@ from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
-from dsv4cp.tools.reference_check import block_agreement, logits_agreement
+from dsv4cp.tools.reference_check import TeacherForcing, block_agreement, logits_agreement
 from tests.model import dsv41_fixture as fx
 
 TOKEN_SHARE = 0.95
@@ -59,24 +59,14 @@ def _attn_from_reference(layer: int) -> Any:
     return hook
 
 
-def _forced_input(i: int, h: Tensor, pre: Tensor | None, ctx: ForwardContext) -> Any:
-    """Teacher forcing: block i gets the reference's block i-1 output and pre_mix_in."""
-    rows = ctx.local.positions.cpu()
-    if i > 0:
-        h = ref(f"block{i - 1}.out")[rows].to(h.device, h.dtype)
-    if pre is not None:
-        pre = ref(f"block{i}.pre_mix_in")[rows].to(pre.device, pre.dtype)
-    return h, pre
-
-
 def run_composed(
     cp: CPGroup, chunks: tuple[int, ...], device: str = "cpu", *, forced: bool = False
 ) -> dict[str, Tensor]:
     """Block outputs and all logits of the prompt, chunked as asked (global rows, CPU);
     `forced`: every block teacher-forced on the reference's previous block."""
     model = _model(device)
-    if forced:
-        model.block_input_hook = _forced_input
+    if forced:  # block i gets the reference's block i-1 output and pre_mix_in
+        model.block_input_hook = TeacherForcing(model, fx.reference()).block_input
     handles = [b.attn.register_forward_hook(_attn_from_reference(b.layer)) for b in model.blocks]
     local: dict[str, Tensor] = {}
     seen: dict[str, ForwardContext] = {}
