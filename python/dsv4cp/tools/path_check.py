@@ -41,8 +41,14 @@ from dsv4cp.tools.reference_check import (
     teacher_forced,
 )
 
-__all__ = ["NONE_BF16_TOKEN_RMS", "compare_paths", "record_reference", "token_rms_agreement"]
-__all__ += ["torch_path"]
+__all__ = [
+    "NONE_BF16_TOKEN_RMS",
+    "compare_paths",
+    "record_reference",
+    "single_request_runner",
+    "token_rms_agreement",
+    "torch_path",
+]
 
 NONE_BF16_TOKEN_RMS = 1e-2  # 2.56 bf16 epsilons: one rounding of the attention's inputs
 
@@ -86,25 +92,28 @@ def token_rms_agreement(ours: Tensor, ref: Tensor, bound: float) -> dict[str, fl
     }
 
 
-def _runner(model: DeepseekV41Model, tokens: int) -> PrefillRunner:
+def single_request_runner(model: DeepseekV41Model, tokens: int) -> PrefillRunner:
+    """A runner sized for one request of `tokens` tokens (and a spare row)."""
     return PrefillRunner(model, num_slots=tokens + 64, max_requests=2, max_context=tokens + 16)
 
 
 def record_reference(model: DeepseekV41Model, ids: list[int]) -> dict[str, Tensor]:
     """One prefill of `ids` in the active path, as a reference file: `input_ids`,
     `full_logits`, per block `block{i}.out`, `block{i}.pre_mix_in`, and `block{i}.topk` of index
-    layers (entry + T, −1 none, the reference's convention)."""
+    layers (entry + T, −1 none, the reference's convention); also `hidden` [1, T, d], the final
+    hidden rows (fp32)."""
     if not ids:
         raise ValueError("record_reference: no tokens")
     t = len(ids)
     rec = _Recorder(model, {})
     with rec.installed():
-        logits = _runner(model, t).prefill({RID: ids}, return_all_logits=True).all_logits
+        out = single_request_runner(model, t).prefill({RID: ids}, return_all_logits=True)
         rec.flush()
-    assert logits is not None
+    assert out.all_logits is not None
     ref: dict[str, Tensor] = {
         "input_ids": torch.tensor([ids]),
-        "full_logits": logits.float().cpu()[None],
+        "full_logits": out.all_logits.float().cpu()[None],
+        "hidden": out.hidden.float().cpu()[None],
     }
     for block in model.blocks:
         i = block.layer
@@ -118,23 +127,29 @@ def record_reference(model: DeepseekV41Model, ids: list[int]) -> dict[str, Tenso
 
 
 def compare_paths(
-    model: DeepseekV41Model, ids: list[int], crit: Criteria | None = None
+    model: DeepseekV41Model,
+    ids: list[int],
+    crit: Criteria | None = None,
+    ref: dict[str, Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The GPU path teacher-forced on the torch path's record of `ids` (CP 1, one shot):
+    """The GPU path teacher-forced on the torch path's record of `ids` (CP 1, one shot; `ref`:
+    that record when the caller has made it, `record_reference` under `torch_path`):
     per block `tf_token_agree` / `max_abs` / `rms_rel`, per index layer the top-k match up to
     ties, end-to-end logits; `pass` by `crit`'s shares (reference-check's by default), a token
     agreeing by `crit.ulps` or, for `none` in bf16, by `NONE_BF16_TOKEN_RMS` (module doc)."""
     crit = crit or Criteria()
-    rule = "ulps"
+    rule = f"{crit.ulps} bf16 ulps"
     agreement = None
     if model.quant == "none" and model.dtype == torch.bfloat16:
         rule = f"token_rms_rel<={NONE_BF16_TOKEN_RMS}"
         agreement = functools.partial(token_rms_agreement, bound=NONE_BF16_TOKEN_RMS)
     with torch.inference_mode():
-        with torch_path(model):
-            ref = record_reference(model, ids)
+        if ref is None:
+            with torch_path(model):
+                ref = record_reference(model, ids)
         blocks, topk = teacher_forced(model, ref, SingleCPGroup(), 0, crit, agreement)
-        logits = _runner(model, len(ids)).prefill({RID: ids}, return_all_logits=True).all_logits
+        runner = single_request_runner(model, len(ids))
+        logits = runner.prefill({RID: ids}, return_all_logits=True).all_logits
     assert logits is not None
     e2e = logits_agreement(logits.float().cpu(), ref["full_logits"][0])
     ok = all(b["tf_token_agree"] >= crit.block_share for b in blocks) and all(
@@ -142,7 +157,7 @@ def compare_paths(
     )
     return {
         "tokens": len(ids),
-        "token_rule": rule if rule != "ulps" else f"{crit.ulps} bf16 ulps",
+        "token_rule": rule,
         "blocks": blocks,
         "topk": topk,
         "logits": e2e,
