@@ -39,16 +39,15 @@ def rowwise_linear_fp32(x: Tensor, w: Tensor) -> Tensor:
     check_rowwise_args(x, w)
     rows = x.reshape(-1, x.shape[-1]).float()
     t, k, n = rows.shape[0], rows.shape[1], w.shape[0]
-    tile, call_tiles = ROW_TILE, CALL_TILES
-    per_call = tile * call_tiles
+    per_call = ROW_TILE * CALL_TILES
     if t == 0:
         return rows.new_empty(*x.shape[:-1], n)
     pad = -t % per_call
     if pad:
         rows = F.pad(rows, (0, 0, 0, pad))
-    wt = w.float().t().unsqueeze(0).expand(call_tiles, -1, -1)
+    wt = w.float().t().unsqueeze(0).expand(CALL_TILES, -1, -1)
     out = rows.new_empty(rows.shape[0], n)
     for a in range(0, rows.shape[0], per_call):
-        chunk = rows[a : a + per_call].view(call_tiles, tile, k)
-        torch.bmm(chunk, wt, out=out[a : a + per_call].view(call_tiles, tile, n))
+        chunk = rows[a : a + per_call].view(CALL_TILES, ROW_TILE, k)
+        torch.bmm(chunk, wt, out=out[a : a + per_call].view(CALL_TILES, ROW_TILE, n))
     return out[:t].view(*x.shape[:-1], n)
