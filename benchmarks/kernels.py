@@ -4,7 +4,8 @@
 
 Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention
 with sink; FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA
-store and the ratio-1/2 compressor). Every kernel row also records its max |kernel − twin|.
+store and the ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries,
+previous config vs default). Every kernel row also records its max |kernel − twin|.
 Compute rows give TFLOP/s and the fraction of the measured bf16 GEMM rate and of 790 TFLOP/s;
 memory rows give GB/s over the bytes each op must move and the fraction of the measured copy rate
 and of 4.3 TB/s. Times are medians of CUDA-graph replays timed with CUDA events (no Python
@@ -41,6 +42,9 @@ YARN = YarnScaling(16.0, 65536, 32.0, 1.0)
 MQA_SWEEP = [(64, 128, 4, 2), (64, 128, 4, 3), (64, 256, 8, 3)]
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 ROWS_SWEEP = [(4, 4), (8, 4), (16, 4), (16, 8), (32, 8)]
+# narrow rows (RoPE tails, index queries): (rows per 512 columns, warps)
+ROPE_SWEEP = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (8, 4)]
+ROPE_PREVIOUS = (8, 4)  # the default for every width before 2026-12-03 (fourth session)
 
 ROWS: list[dict[str, Any]] = []
 CEIL = {"tflops": NOMINAL_TFLOPS, "gbps": NOMINAL_GBPS}
@@ -413,6 +417,68 @@ def _swa_case(t: int, d: int, dr: int, wgt: torch.Tensor) -> None:
         _row("swa_store", f"triton rows/warps {cfg}", shape, "bf16", _ms(run), nbytes=nbytes)
 
 
+def bench_rope() -> None:
+    """The RoPE-only passes at Flash shapes: the q tail in place ([T, 64 heads, 512], rope 64:
+    after wq_b and, inverse, on the attention output) and the index queries ([T, 32 × 128],
+    qat: rope then fp4 per 32). Rows: the ops twin, the kernel at its previous config and at
+    its default (`norm_rope.default_config`), each with its ratio to the previous config."""
+    t, h, d, dr, hi, di = _pick((16384, 64, 512, 64, 32, 128), (8, 4, 96, 32, 2, 64))
+    pos = torch.arange(t, device=DEV) + _pick(100000, 5)
+    q = torch.randn(t, h, d, device=DEV).bfloat16()
+    tail = q.view(-1, d)[:, d - dr :]
+    pe = pos[:, None].expand(-1, h).reshape(-1)
+    nbytes = 2.0 * tail.numel() * 2
+    shape = f"T={t} H={h} D={d} rope={dr}"
+    ref = ops.rope_tail_(q.clone(), pos, dr, 1e4, YARN)  # the timed calls rotate q in place
+    qk = routing.rope_tail_(q.clone(), pos, dr, 1e4, YARN)
+
+    def tail_kernel(cfg: tuple[int, int] | None) -> None:
+        norm_rope_rows(
+            tail, tail, positions=pe, rope_dim=dr, theta=1e4, yarn=YARN, norm=False, config=cfg
+        )
+
+    _row("rope_tail", "ops twin", shape, "bf16", _ms(lambda: ops.rope_tail_(q, pos, dr, 1e4, YARN)),
+         nbytes=nbytes)  # fmt: skip
+    _rope_configs("rope_tail", shape, nbytes, tail_kernel, maxdiff=_maxdiff(qk, ref))
+    qp = torch.randn(t, hi * di, device=DEV).bfloat16()
+    out = torch.empty(t * hi, di, device=DEV, dtype=torch.bfloat16)
+    pi = pos.repeat_interleave(hi)
+    shape_i = f"T={t} H_I={hi} D={di} rope={dr} qat"
+    nbytes_i = 2.0 * qp.numel() * 2
+    ref_i = ops.rope_index_queries(qp, pos, dr, 1e4, YARN, head_dim=di, quant="qat")
+    got_i = routing.rope_index_queries(qp, pos, dr, 1e4, YARN, head_dim=di, quant="qat")
+
+    def index_kernel(cfg: tuple[int, int] | None) -> None:
+        norm_rope_rows(
+            qp.view(-1, di), out, positions=pi, rope_dim=dr, theta=1e4, yarn=YARN, norm=False,
+            fake_quant="fp4", config=cfg,
+        )  # fmt: skip
+
+    _row(
+        "rope_idx_q",
+        "ops twin",
+        shape_i,
+        "bf16",
+        _ms(lambda: ops.rope_index_queries(qp, pos, dr, 1e4, YARN, head_dim=di, quant="qat")),
+        nbytes=nbytes_i,
+    )
+    _rope_configs("rope_idx_q", shape_i, nbytes_i, index_kernel, maxdiff=_maxdiff(got_i, ref_i))
+
+
+def _rope_configs(
+    op: str, shape: str, nbytes: float, run: Callable[[tuple[int, int] | None], None], **extra: Any
+) -> None:
+    prev = _ms(lambda: run(ROPE_PREVIOUS))
+    _row(op, f"triton previous {ROPE_PREVIOUS}", shape, "bf16", prev, nbytes=nbytes)
+    now = _ms(lambda: run(None))
+    _row(op, "triton default", shape, "bf16", now, nbytes=nbytes, previous_over_this=prev / now,
+         **extra)  # fmt: skip
+    for cfg in ROPE_SWEEP if SWEEP else []:
+        ms = _ms(lambda cfg=cfg: run(cfg))
+        _row(op, f"triton rows/warps {cfg}", shape, "bf16", ms, nbytes=nbytes,
+             previous_over_this=prev / ms)  # fmt: skip
+
+
 def _compress_case(n: int, d: int, dr: int, wgt: torch.Tensor) -> None:
     kv, g, pkv, pg = (torch.randn(n, d, device=DEV) for _ in range(4))
     pos = torch.arange(n, device=DEV) * 2
@@ -492,6 +558,7 @@ SECTIONS = {
     "topk": lambda a: bench_topk(),
     "attn": lambda a: bench_attention(a.sweep),
     "rows": lambda a: bench_rows(),
+    "rope": lambda a: bench_rope(),
 }
 
 

@@ -29,7 +29,6 @@ from dsv4cp.ops import (
     grouped_wo_a,
     indexer_weights,
     linear_fp32,
-    rms_norm,
     sparse_attention_qat,
     topk_among_blocks,
 )
@@ -52,6 +51,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
     "index_key": (ops.index_key, "dsv4cp.kernels.compressor"),
     "rope_index_queries": (ops.rope_index_queries, "dsv4cp.kernels.rope"),
+    # the q_lora norm and the blocks' attn / ffn norms: one pass per row, not six
+    "rms_norm": (ops.rms_norm, "dsv4cp.kernels.norm"),
     # the q tail and the attention output's inverse: one pass over the tail, in place
     "rope_tail_": (ops.rope_tail_, "dsv4cp.kernels.rope"),
     "fp8_linear": (ops.fp8_linear, "dsv4cp.kernels.fp8_linear"),
@@ -148,6 +149,7 @@ compressed_latent = _route("compressed_latent")
 compressed_key = _route("compressed_key")
 index_key = _route("index_key")
 rope_index_queries = _route("rope_index_queries")
+rms_norm = _route("rms_norm")
 rope_tail_ = _route("rope_tail_")
 fp8_linear = _route("fp8_linear")
 dequant_fp4 = _route("dequant_fp4")

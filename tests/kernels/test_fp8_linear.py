@@ -82,3 +82,21 @@ def test_fp8_linear_against_the_exact_twin(m: int, n: int, k: int) -> None:
         big = torch.maximum(got16.float().abs(), want16.float().abs())
         ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
         assert bool(((got16.float() - want16.float()).abs() <= limit + ulp).all())
+
+
+def test_rows_valid_zeroes_rows_inside_the_quantization() -> None:
+    """wo_b's padding rows: zeroed by the activation quantization of the cuBLAS path (no pass of
+    its own) exactly as the twin's masked_fill zeroes them; valid rows unchanged bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    m, n, k = 4096, 5120, 8192
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    x[7] = float("inf")
+    valid = torch.rand(m, device="cuda", generator=g) > 0.1
+    valid[7] = False
+    w = (torch.randn(n, k, device="cuda", generator=g) * 64).to(torch.float8_e4m3fn)
+    shape = ops_linear.fp8_scale_shape(n, k)
+    scale = torch.randint(118, 124, shape, device="cuda", dtype=torch.uint8, generator=g)
+    scale = scale.view(torch.float8_e8m0fnu)
+    got = fp8_linear(x, w, scale, rows_valid=valid)
+    assert bool((got[~valid] == 0).all())
+    assert torch.equal(got, dequant_mm(x.masked_fill(~valid[:, None], 0), w, scale))

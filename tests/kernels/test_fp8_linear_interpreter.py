@@ -27,6 +27,7 @@ CASES = (
     "gemm_golden",
     "gemm_odd_shapes",
     "gemm_cublas_path",
+    "rows_valid_zeroes_rows",
 )
 
 
@@ -65,9 +66,14 @@ def test_act_quant_compiles_for_sm90() -> None:
     from dsv4cp.kernels.fp8_linear import _act_quant_kernel
     from tests.kernels.test_indexer_topk_compile import _compile
 
-    for out, dequant in (("*fp8e4nv", False), ("*bf16", True), ("*fp32", True)):
-        types = ["*bf16", out, "*fp32", "i32", "i32", "i32", "i32", "i32"]
-        const = dict(BLOCK=32, N_BLOCKS=4, ROWS=4, DEQUANT=dequant)
+    for out, dequant, mask in (
+        ("*fp8e4nv", False, False),
+        ("*bf16", True, False),
+        ("*fp32", True, False),
+        ("*bf16", True, True),
+    ):
+        types = ["*bf16", out, "*fp32", "i32", "i32", "i32", "i32", "i32", "*u8"]
+        const = dict(BLOCK=32, N_BLOCKS=4, ROWS=4, DEQUANT=dequant, ROW_MASK=mask)
         _compile(_act_quant_kernel, types, const, 4, 1)
 
 
@@ -186,6 +192,38 @@ def _child_cases() -> dict[str, object]:
                 assert "DSV4CP_FP8_GEMM" in str(e)
         finally:
             del os.environ[kernel.FP8_GEMM_FLAG]
+
+    def rows_valid_zeroes_rows() -> None:
+        """`rows_valid`: the invalid rows (a non-finite one among them) are zeroed before the
+        quantization, on both kernel paths, as the twin zeroes them; the valid rows are the
+        unmasked call's, bit for bit."""
+        torch.manual_seed(3)
+        m, n, k = 37, 64, 96
+        x = torch.randn(m, k).bfloat16()
+        x[5] = float("nan")
+        valid = torch.ones(m, dtype=torch.bool)
+        valid[[0, 5, 36]] = False
+        w = (torch.randn(n, k) * 64).to(torch.float8_e4m3fn)
+        s = torch.randint(118, 124, ops_linear.fp8_scale_shape(n, k), dtype=torch.uint8)
+        s = s.view(torch.float8_e8m0fnu)
+        want = ops_linear.fp8_linear(x, w, s, rows_valid=valid)
+        assert torch.equal(want, ops_linear.fp8_linear(x.masked_fill(~valid[:, None], 0), w, s))
+        for got in (
+            kernel.fp8_linear(x, w, s, rows_valid=valid),
+            kernel.dequant_mm(x, w, s, rows_valid=valid),
+        ):
+            assert bool((got[~valid] == 0).all())
+        same_bits(
+            kernel.dequant_mm(x, w, s, rows_valid=valid)[valid], kernel.dequant_mm(x, w, s)[valid]
+        )
+        same_bits(
+            kernel.fp8_linear(x, w, s, rows_valid=valid)[valid], kernel.fp8_linear(x, w, s)[valid]
+        )
+        try:
+            kernel.dequant_mm(x, w, s, rows_valid=valid[1:])
+            raise AssertionError("a wrong rows_valid shape must be refused")
+        except ValueError as e:
+            assert "rows_valid must be bool (37,)" in str(e)
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

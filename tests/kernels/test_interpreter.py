@@ -38,6 +38,7 @@ FAST = [
     "fake_quant_adversarial_rows",
     "index_queries",
     "mqa_logits_qat",
+    "rms_norm_rows",
 ]
 SLOW = ["topk_ties_wide", "attention_real_dims"]
 
@@ -79,6 +80,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         pair_pool,
     )
     from dsv4cp.kernels.indexer_logits import launch_mqa_logits
+    from dsv4cp.kernels.norm import rms_norm
     from dsv4cp.kernels.rope import rope_index_queries
     from dsv4cp.kernels.swa import store_swa_k, swa_key
     from dsv4cp.kernels.topk import launch_topk, topk_indices
@@ -402,6 +404,28 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             got = rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
             want = ops.rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
             same_bits(got, want)
+
+    def rms_norm_rows():
+        # the same fp32 steps but the sum of squares' order: within one bf16 rounding of the
+        # twin, nearly all bitwise; each row's result independent of the other rows
+        torch.manual_seed(19)
+        for shape, d in (((9, 5120), 5120), ((3, 5, 1280), 1280), ((7, 96), 96)):
+            x = (torch.randn(*shape) * 3).bfloat16()
+            w = torch.rand(d) + 0.5
+            for weight, out in ((w, None), (None, None), (w.bfloat16(), torch.float32)):
+                got = rms_norm(x, weight, 1e-6, out)
+                want = ops.rms_norm(x, weight, 1e-6, out)
+                assert got.shape == want.shape and got.dtype == want.dtype
+                g, r = got.float(), want.float()
+                step = 2**-7 if got.dtype == torch.bfloat16 else 2**-20  # fp32: order only
+                assert torch.all((g - r).abs() <= step * r.abs()), (g - r).abs().max()
+                if got.dtype == torch.bfloat16:
+                    assert (got == want).float().mean().item() >= 0.97
+            rows = x.reshape(-1, d)
+            assert torch.equal(rms_norm(rows[1:2], w, 1e-6), rms_norm(rows, w, 1e-6)[1:2])
+        wide = torch.randn(6, 256).bfloat16()
+        view = wide[:, :128]  # rows strided by 256 elements
+        assert torch.equal(rms_norm(view, None, 1e-6), rms_norm(view.contiguous(), None, 1e-6))
 
     def mqa_logits_qat():
         torch.manual_seed(18)

@@ -13,6 +13,7 @@ import torch
 
 from dsv4cp import ops
 from dsv4cp.kernels import compressor as kc
+from dsv4cp.kernels.norm import rms_norm
 from dsv4cp.kernels.rope import rope_index_queries
 from dsv4cp.kernels.swa import store_swa_k, swa_key
 from dsv4cp.ops.rope import YarnScaling
@@ -148,3 +149,12 @@ def test_index_queries_qat() -> None:
     _quant_close(got, want, 32, FP4_STEP)
     got = rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di)
     _close(got, ops.rope_index_queries(qp, pos, dr, 160000.0, YARN, head_dim=di))
+
+
+@pytest.mark.parametrize(("t", "d"), [(16384, 1280), (4099, 5120), (3, 96)])
+def test_rms_norm(t: int, d: int) -> None:
+    x = (torch.randn(t, d, device="cuda") * 3).bfloat16()
+    w = torch.rand(d, device="cuda") + 0.5
+    _close(rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+    _close(rms_norm(x, None, 1e-6), ops.rms_norm(x, None, 1e-6))
+    assert torch.equal(rms_norm(x[5:9], w, 1e-6), rms_norm(x, w, 1e-6)[5:9])  # row-local

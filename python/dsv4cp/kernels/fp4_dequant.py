@@ -22,10 +22,11 @@ from dsv4cp.kernels.kv_decode import _minifloat
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp4_weight
 from dsv4cp.ops.quant import scale_to_float
 
-# one 1K-wide piece of one row per program: at the MoE's launch (32 experts × 2304 rows × 5120)
-# the H200 measured 0.61 ms per launch with it, 0.96 ms with 8 rows × 1K and 8 warps (that
-# change also cost model_layers ~16 ms per MoE layer; reverted)
-_BLOCK_R, _BLOCK_K, _WARPS = 1, 1024, 4
+# a 1K-wide piece of four rows per program: at the MoE's launch (32 experts × 2304 rows × 5120)
+# benchmarks/fp4_dequant measured 0.566 ms per launch on the H200, 1.085x the previous one row
+# (0.614 ms); 8 rows × 1K with 8 warps took 0.964 ms (benchmarks/results/fp4_dequant_h200_
+# 2026-12-03d.json)
+_BLOCK_R, _BLOCK_K, _WARPS = 4, 1024, 4
 
 
 @triton.jit

@@ -37,7 +37,13 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
-from dsv4cp.ops.linear import WEIGHT_BLOCK, fp8_scale_shape
+from dsv4cp.kernels.fp8_dequant import dequant_fp8_blocks
+from dsv4cp.ops.linear import (
+    WEIGHT_BLOCK,
+    check_rows_valid,
+    fp8_scale_shape,
+    zero_invalid_rows,
+)
 from dsv4cp.ops.quant import scale_to_float
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); not tuned yet (no GPU sweep of this kernel so far)
@@ -55,13 +61,16 @@ def _act_quant_kernel(
     stride_xm,
     stride_cm,
     stride_sm,
+    valid_ptr,
     BLOCK: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr,
     DEQUANT: tl.constexpr,
+    ROW_MASK: tl.constexpr,
 ):
     # one program: ROWS rows × N_BLOCKS quantization blocks of BLOCK values; DEQUANT stores
-    # codes × scale in codes_ptr's dtype (exact in bf16/fp32) and no scales
+    # codes × scale in codes_ptr's dtype (exact in bf16/fp32) and no scales; ROW_MASK reads
+    # a byte per row and quantizes a 0 row where it is 0
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
@@ -69,6 +78,9 @@ def _act_quant_kernel(
     ok = (rows[:, None] < M) & (cols[None, :] < K)
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    if ROW_MASK:
+        keep = tl.load(valid_ptr + rows64, mask=rows < M, other=0) != 0
+        x = tl.where(keep[:, None], x, 0.0)
     xb = tl.reshape(x.to(tl.float32), (ROWS, N_BLOCKS, BLOCK))
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)  # ops.quant.FP8_AMAX_FLOOR
     scale = pow2_ceil(amax * (1.0 / 448.0))  # fp32(1/448), as ops.quant
@@ -119,7 +131,14 @@ def _act_rows(x: Tensor, block: int, name: str) -> Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_act_quant(x2: Tensor, out: Tensor, scale: Tensor, block: int, dequant: bool) -> None:
+def _launch_act_quant(
+    x2: Tensor,
+    out: Tensor,
+    scale: Tensor,
+    block: int,
+    dequant: bool,
+    rows_valid: Tensor | None = None,
+) -> None:
     m, k = x2.shape
     n_blocks = 1 << (max(1, min(k // block, 128 // block)).bit_length() - 1)  # a power of two
     grid = (triton.cdiv(m, _ROWS_PER_QUANT_PROGRAM), triton.cdiv(k // block, n_blocks))
@@ -133,10 +152,12 @@ def _launch_act_quant(x2: Tensor, out: Tensor, scale: Tensor, block: int, dequan
             x2.stride(0),
             out.stride(0),
             scale.stride(0),
+            x2 if rows_valid is None else rows_valid.reshape(-1).view(torch.uint8),
             BLOCK=block,
             N_BLOCKS=n_blocks,
             ROWS=_ROWS_PER_QUANT_PROGRAM,
             DEQUANT=dequant,
+            ROW_MASK=rows_valid is not None,
         )
 
 
@@ -210,13 +231,20 @@ def _gemm_backend(x: Tensor, out_dtype: torch.dtype) -> str:
 
 
 def fp8_linear(
-    x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    rows_valid: Tensor | None = None,
 ) -> Tensor:
     """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
     x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float). Large
-    bf16 GEMMs take cuBLAS over exact bf16 operands (module docstring)."""
+    bf16 GEMMs take cuBLAS over exact bf16 operands (module docstring), zeroing the rows where
+    `rows_valid` is False inside the activation quantization (no pass of its own)."""
     if _gemm_backend(x, out_dtype or x.dtype) == "cublas":
-        return dequant_mm(x, w, w_scale, out_dtype=out_dtype)
+        return dequant_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid)
+    x = zero_invalid_rows(x, rows_valid)
     return launch_fp8_linear(x, w, w_scale, out_dtype=out_dtype)
 
 
@@ -234,27 +262,33 @@ def _check_gemm_args(x: Tensor, w: Tensor, w_scale: Tensor) -> tuple[int, int]:
 
 
 def dequant_mm(
-    x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    rows_valid: Tensor | None = None,
 ) -> Tensor:
     """fp8_linear through cuBLAS: act_quant_fp8's codes × scales and the weight's codes × block
     scales as exact bf16 operands, one bf16 GEMM (fp32 accumulation in cuBLAS's order)."""
     n, k = _check_gemm_args(x, w, w_scale)
-    out = torch.mm(quantized_act_bf16(x.reshape(-1, k)), dequant_weight_bf16(w, w_scale).t())
+    a = quantized_act_bf16(x.reshape(-1, k), check_rows_valid(x, rows_valid))
+    out = torch.mm(a, dequant_weight_bf16(w, w_scale).t())
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
 
 
-def quantized_act_bf16(x: Tensor) -> Tensor:
-    """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact), one pass."""
-    return fake_act_quant_fp8(x, WEIGHT_BLOCK, out_dtype=torch.bfloat16)
+def quantized_act_bf16(x: Tensor, rows_valid: Tensor | None = None) -> Tensor:
+    """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact), one pass;
+    rows where `rows_valid` [M] is False come out 0."""
+    x2 = _act_rows(x, WEIGHT_BLOCK, "fake_act_quant_fp8")
+    out = torch.empty(x2.shape, dtype=torch.bfloat16, device=x.device)
+    _launch_act_quant(x2, out, out, WEIGHT_BLOCK, dequant=True, rows_valid=rows_valid)
+    return out
 
 
 def dequant_weight_bf16(w: Tensor, w_scale: Tensor) -> Tensor:
-    """fp8 weight [N, K] (K a multiple of 32) × its 32×32 block scales → bf16 [N, K] (exact),
-    without the fp32 copy of `ops.linear.dequant_fp8_blocks`."""
-    n, k = w.shape
-    row_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n]
-    b = w.to(torch.bfloat16).view(n, -1, WEIGHT_BLOCK) * row_scale.to(torch.bfloat16)[..., None]
-    return b.view(n, k)
+    """fp8 weight [N, K] × its 32×32 block scales → bf16 [N, K] (exact), one Triton pass."""
+    return dequant_fp8_blocks(w, w_scale, WEIGHT_BLOCK, out_dtype=torch.bfloat16)
 
 
 def launch_fp8_linear(

@@ -29,9 +29,19 @@ from dsv4cp.kernels.fake_quant import FAKE_QUANTS, fake_quant_blocks
 from dsv4cp.kernels.precise_math import cos_sin, exp, rsqrt
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
-MAX_D = 4096
-# (rows per program, num_warps) for a 512-wide row; benchmarks/kernels.py sweeps it.
+MAX_D = 8192  # the hidden size (5120) fits: one row per program there
+# (rows per program for a 512-wide row, num_warps) by padded row width; benchmarks/kernels.py
+# (sections rows and rope) sweeps them. Narrow rows ran faster on the H200 with few warps of few
+# rows (benchmarks/results/kernels_rope_h200_2026-12-03d.json, docs/performance.md §8): the q
+# tail (64 wide) 1.02 → 0.226 ms with one warp of 8 rows, the index queries (128 wide, qat)
+# 0.656 → 0.322 ms with two warps of 4 rows.
 DEFAULT_CONFIG = (8, 4)
+NARROW_CONFIGS = {64: (1, 1), 128: (1, 2)}
+
+
+def default_config(block_d: int) -> tuple[int, int]:
+    """(rows per 512 columns, num_warps) for rows padded to `block_d` columns."""
+    return NARROW_CONFIGS.get(block_d, DEFAULT_CONFIG)
 
 
 @triton.jit
@@ -395,7 +405,7 @@ def norm_rope_rows(
     rope = rope_dim > 0
     freq = inv_freq(rope_dim, theta, yarn, x.device) if rope else x
     block_d = max(16, triton.next_power_of_2(d))
-    rows, warps = config or DEFAULT_CONFIG
+    rows, warps = config or default_config(block_d)
     block_t = max(1, rows * 512 // block_d)
     _norm_rope_kernel[(triton.cdiv(t, block_t),)](
         x,

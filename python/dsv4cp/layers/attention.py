@@ -406,8 +406,9 @@ class DeepseekV41Attention(nn.Module):
             z = grouped_wo_a(o, self.wo_a, self.config.o_groups)
             # Padding rows are zeroed before any reduction across rows (docs/invariants.md,
             # invariant 5). wo_a is row-local, so zeroing its output (4x narrower than o at Flash
-            # dims) equals zeroing o; masked_fill also clears a non-finite padding row.
-            return self.wo_b(z.masked_fill_(~ctx.local.valid[:, None], 0), self.quant)
+            # dims) equals zeroing o; it also clears a non-finite padding row. On the fp8 path
+            # the zeroing is inside wo_b's activation quantization (no pass of its own).
+            return self.wo_b(z, self.quant, rows_valid=ctx.local.valid)
 
     def _kv_source(self) -> int:
         src = self.role.kv_source

@@ -30,8 +30,8 @@ from dsv4cp.layers.hyper_connections import HyperConnection, hc_sublayer
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops.moe_experts import GroupedBackend
-from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.quant import QuantMode
+from dsv4cp.routing import rms_norm
 
 
 def _frozen(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

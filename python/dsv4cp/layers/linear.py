@@ -9,7 +9,13 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from dsv4cp.ops.linear import WEIGHT_BLOCK, fp4_scale_shape, fp8_scale_shape, linear
+from dsv4cp.ops.linear import (
+    WEIGHT_BLOCK,
+    fp4_scale_shape,
+    fp8_scale_shape,
+    linear,
+    zero_invalid_rows,
+)
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.routing import fp8_linear
 
@@ -67,11 +73,18 @@ class Linear(nn.Module):
             self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
         self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def forward(self, x: Tensor, quant: QuantMode = "qat") -> Tensor:
+    def forward(
+        self, x: Tensor, quant: QuantMode = "qat", rows_valid: Tensor | None = None
+    ) -> Tensor:
+        """x [..., in] → [..., out]; the rows where `rows_valid` (bool, x.shape[:-1]) is False
+        are zeroed first (inside the activation quantization on the fp8 path)."""
         if self.storage == "fp8" and check_quant_mode(quant) == "qat":
             assert self.scale is not None
-            return fp8_linear(x, self.weight, self.scale, out_dtype=self.dtype)
+            return fp8_linear(
+                x, self.weight, self.scale, out_dtype=self.dtype, rows_valid=rows_valid
+            )
         out_dtype = None if self.storage == "dense" else self.dtype
+        x = zero_invalid_rows(x, rows_valid)
         return linear(x, self.weight, self.scale, quant, out_dtype=out_dtype)
 
     def checkpoint_slots(self, prefix: str, rows: slice = slice(None)) -> dict[str, Tensor]:

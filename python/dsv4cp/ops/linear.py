@@ -62,16 +62,27 @@ def _check_scale(scale: Tensor, expected: tuple[int, int], what: str) -> None:
         raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != expected {expected}")
 
 
-def dequant_fp8_blocks(w: Tensor, scale: Tensor, block: int = WEIGHT_BLOCK) -> Tensor:
-    """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] -> fp32 [N, K] (exact)."""
+def check_fp8_blocks(w: Tensor, scale: Tensor, block: int, what: str) -> tuple[int, int]:
+    """(N, K) of an fp8 weight [N, K] with its block scales [ceil(N/block), ceil(K/block)]."""
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise ValueError(
-            f"dequant_fp8_blocks: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}"
-        )
+        raise ValueError(f"{what}: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
-    _check_scale(scale, fp8_scale_shape(n, k, block), "dequant_fp8_blocks")
+    _check_scale(scale, fp8_scale_shape(n, k, block), what)
+    return n, k
+
+
+def dequant_fp8_blocks(
+    w: Tensor,
+    scale: Tensor,
+    block: int = WEIGHT_BLOCK,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] -> out_dtype [N, K]
+    (exact in fp32 and bf16)."""
+    n, k = check_fp8_blocks(w, scale, block, "dequant_fp8_blocks")
     s = scale_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return w.float() * s
+    return (w.float() * s).to(out_dtype)
 
 
 def quantize_fp8_blocks(w: Tensor, block: int = WEIGHT_BLOCK) -> tuple[Tensor, Tensor]:
@@ -159,18 +170,45 @@ def _quantized_act(x: Tensor, k: int, what: str) -> tuple[Tensor, Tensor]:
 
 
 def fp8_linear(
-    x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    rows_valid: Tensor | None = None,
 ) -> Tensor:
     """Reference `linear()` for an F8_E4M3 weight: x [..., K] -> [..., N] in out_dtype (default
-    x.dtype); act_quant_fp8(x, 32), then the block-scaled GEMM with fp32 accumulation."""
+    x.dtype); act_quant_fp8(x, 32), then the block-scaled GEMM with fp32 accumulation.
+    `rows_valid` (bool, x.shape[:-1]): the rows where it is False are zeroed first (padding
+    rows, docs/invariants.md invariant 5)."""
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
         raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
     _check_scale(w_scale, fp8_scale_shape(n, k), "fp8_linear")
+    x = zero_invalid_rows(x, rows_valid)
     a, a_scale = _quantized_act(x, k, "fp8_linear")
     b_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n]  # per output row
     y = _block_scaled_matmul(a, a_scale, w.float(), b_scale, WEIGHT_BLOCK)
     return y.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
+
+
+def check_rows_valid(x: Tensor, rows_valid: Tensor | None) -> Tensor | None:
+    """rows_valid (bool, x.shape[:-1]) made contiguous, after its shape and dtype are checked."""
+    if rows_valid is None:
+        return None
+    if rows_valid.dtype != torch.bool or tuple(rows_valid.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"rows_valid must be bool {tuple(x.shape[:-1])}, got {rows_valid.dtype} "
+            f"{tuple(rows_valid.shape)}"
+        )
+    return rows_valid.contiguous()
+
+
+def zero_invalid_rows(x: Tensor, rows_valid: Tensor | None) -> Tensor:
+    """x with the rows where `rows_valid` (bool, x.shape[:-1]) is False set to 0 (a new tensor;
+    x itself when rows_valid is None)."""
+    valid = check_rows_valid(x, rows_valid)
+    return x if valid is None else x.masked_fill(~valid[..., None], 0)
 
 
 def fp4_linear(

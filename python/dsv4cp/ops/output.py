@@ -19,9 +19,14 @@ def grouped_wo_a(o: Tensor, wo_a: Tensor, groups: int) -> Tensor:
         )
     # In the activations' dtype: bf16 GEMMs accumulate in fp32 and round once (SGLang's bf16
     # einsum on SM90); upcasting the weights would cost a full fp32 copy per call.
-    og = o.reshape(t, groups, width)
-    wa = wo_a.to(o.dtype).view(groups, wo_a.shape[0] // groups, width)
-    return torch.einsum("tgc,grc->tgr", og, wa).flatten(1)
+    # One bmm over the groups written straight into z's [T, G, R_o] layout (cuBLAS takes the
+    # strided output; einsum would add a permuting copy of z: 0.34 ms at 16K tokens on the H200).
+    r_o = wo_a.shape[0] // groups
+    og = o.reshape(t, groups, width).transpose(0, 1)
+    wa = wo_a.to(o.dtype).view(groups, r_o, width).transpose(1, 2)
+    z = o.new_empty(t, groups * r_o)
+    torch.bmm(og, wa, out=z.view(t, groups, r_o).transpose(0, 1))
+    return z
 
 
 def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:

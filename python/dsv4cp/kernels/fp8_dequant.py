@@ -1,0 +1,88 @@
+"""fp8 weights with 32×32 block scales dequantized in one Triton pass (the cuBLAS projection
+path's per-call weight operand, `kernels.fp8_linear.dequant_mm`).
+
+Twin: `dsv4cp.ops.linear.dequant_fp8_blocks` (same signature). Each program reads BLOCK_R rows ×
+BLOCK_K columns of e4m3 codes and their block scales (converted to fp32 on the host: e8m0 has
+values fp32 only reaches as subnormals) and writes code × scale in out_dtype. An e4m3 value times
+a power of two is exact in fp32 and in bf16, so the result equals the twin's bit for bit (for
+scales ≥ 2⁻¹¹⁶; smaller ones give subnormal outputs, which the conversion may flush to zero).
+The torch form it replaces in `dequant_mm` made two passes (the e4m3 → bf16 cast, then the
+product with the row-expanded scales): 0.24 ms for wq_b's 32768 × 1280 at 16K tokens on the H200.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
+from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp8_blocks
+from dsv4cp.ops.quant import scale_to_float
+
+_BLOCK_R, _BLOCK_K, _WARPS = 4, 512, 4
+
+
+@triton.jit
+def _dequant_fp8_kernel(
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    r = rows[:, None]
+    code = tl.load(w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + (r // BLOCK) * stride_s + (cols // BLOCK)[None, :], mask=ok, other=0.0)
+    tl.store(
+        out_ptr + r * stride_o + cols[None, :], to_dtype(code * s, OUT_DTYPE, EMULATE), mask=ok
+    )
+
+
+def dequant_fp8_blocks(
+    w: Tensor,
+    scale: Tensor,
+    block: int = WEIGHT_BLOCK,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] → out_dtype [N, K]
+    (exact in fp32 and bf16)."""
+    n, k = check_fp8_blocks(w, scale, block, "dequant_fp8_blocks")
+    if out_dtype not in TL_DTYPES:
+        raise ValueError(
+            f"dequant_fp8_blocks: out_dtype must be fp32, bf16 or fp16, got {out_dtype}"
+        )
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    s = scale_to_float(scale).contiguous()
+    out = torch.empty(n, k, dtype=out_dtype, device=w.device)
+    if n and k:
+        _dequant_fp8_kernel[(triton.cdiv(n, _BLOCK_R), triton.cdiv(k, _BLOCK_K))](
+            w,
+            s,
+            out,
+            n,
+            k,
+            w.stride(0),
+            s.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            BLOCK_R=_BLOCK_R,
+            BLOCK_K=_BLOCK_K,
+            OUT_DTYPE=TL_DTYPES[out_dtype],
+            EMULATE=interpreting(),
+            num_warps=_WARPS,
+        )
+    return out
