@@ -1,0 +1,123 @@
+"""The fused indexer node (`kernels/indexer_topk.py`: logits + running top-k, the logits never in
+memory) at V4.1-Flash shapes, one run over its tile configurations, the shipped default first
+as the baseline: ms per call (CUDA events), the ratio to the baseline, and whether each
+configuration selects exactly what the baseline selects (it must: the selection is exact).
+
+Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
+weights; 32 heads × 128, top-k 512, `--quant`): the ratio-2 index source (plain top-k over
+T/2 entries), the ratio-1 candidate source (top-k and the 2048 published blocks of 8 over T
+entries), the ratio-1 candidate consumer (top-k among the source's published blocks).
+
+    PYTHONPATH=python python -m benchmarks.indexer_scan --out out/indexer_scan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.benchutil import Table, device_info, time_cuda, write_json
+from dsv4cp.kernels import indexer_topk as kernel
+
+# (BLOCK_T, BLOCK_N, warps, stages) tried against the shipped `kernel.DEFAULT_CONFIG`
+CONFIGS = [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)]
+HEADS, DIM, TOP_K, BLOCKS, BLOCK_SIZE = 32, 128, 512, 2048, 8
+
+
+def _roles(t: int, quant: str) -> dict[str, Callable[[tuple[int, int, int, int]], Any]]:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16()
+    w = torch.randn(t, HEADS, device="cuda", generator=g) / HEADS
+    k = torch.randn(t, DIM, device="cuda", generator=g).bfloat16()
+    pos = torch.arange(t, device="cuda")
+    nv2, nv1 = ((pos + 1) // 2).to(torch.int32), (pos + 1).to(torch.int32)
+    k2 = k[: t // 2]
+    _, blocks = kernel.launch_mqa_topk(
+        q, w, k, nv1, TOP_K, block_size=BLOCK_SIZE, max_blocks=BLOCKS, quant=quant
+    )
+    assert blocks is not None
+    return {
+        "r2 index source": lambda c: kernel.launch_mqa_topk(
+            q, w, k2, nv2, TOP_K, quant=quant, config=c
+        )[0],
+        "r1 candidate source": lambda c: kernel.launch_mqa_topk(
+            q, w, k, nv1, TOP_K, block_size=BLOCK_SIZE, max_blocks=BLOCKS, quant=quant, config=c
+        ),
+        "r1 candidate consumer": lambda c: kernel.launch_mqa_topk(
+            q,
+            w,
+            k,
+            nv1,
+            TOP_K,
+            block_ids=blocks,
+            block_size=BLOCK_SIZE,
+            quant=quant,
+            consumer="map",
+            config=c,
+        )[0],  # fmt: skip
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b))
+    return a is None and b is None or bool(torch.equal(a, b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="16384", help="comma list of cold-prefill token counts")
+    ap.add_argument("--quant", choices=["qat", "none"], default="qat")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="out/indexer_scan.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("indexer_scan: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shipped = kernel.DEFAULT_CONFIG
+    configs = list(dict.fromkeys([shipped, *CONFIGS]))
+    table = Table(title=f"fused indexer node, {args.quant}, shipped config {shipped} first")
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for t in (int(v) for v in args.tokens.split(",")):
+            for role, run in _roles(t, args.quant).items():
+                base_ms, base_out = 0.0, None
+                for config in configs:
+                    out = run(config)
+                    ms = time_cuda(lambda c=config, f=run: f(c), warmup=2, iters=args.iters)
+                    if base_out is None:
+                        base_ms, base_out = ms["median_ms"], out
+                    row = {
+                        "tokens": t,
+                        "role": role,
+                        "config": str(config),
+                        "shipped": config == shipped,
+                        "ms": ms["median_ms"],
+                        "shipped_over_this": base_ms / ms["median_ms"],
+                        "equal_to_shipped": _same(out, base_out),
+                    }
+                    rows.append(row)
+                    table.add(row)
+                torch.cuda.empty_cache()
+    table.print()
+    write_json(
+        args.out,
+        {
+            "benchmark": "indexer_scan",
+            "quant": args.quant,
+            "shapes": dict(heads=HEADS, dim=DIM, top_k=TOP_K, blocks=BLOCKS, block=BLOCK_SIZE),
+            "shipped": list(shipped),
+            "rows": rows,
+            "device": device_info(),
+        },
+    )
+    print(f"wrote {args.out}")
+    return 0 if all(r["equal_to_shipped"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
