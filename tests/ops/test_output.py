@@ -80,3 +80,19 @@ def test_z_is_rounded_before_wo_b() -> None:
     assert torch.equal(grouped_output(o, wo_a, wo_b, 1), torch.zeros(2, 1, dtype=torch.bfloat16))
     exact = grouped_output(o.float(), wo_a.float(), wo_b.float(), 1)
     assert torch.equal(exact, torch.full((2, 1), 2.0**-12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wo_a_is_the_groups_einsum_bit_for_bit(dtype: torch.dtype) -> None:
+    """grouped_wo_a writes one bmm into z's [T, G, R] layout: the einsum's values exactly (the
+    same per-group GEMMs; only the permuting copy is gone), t = 0 included."""
+    from dsv4cp.ops import grouped_wo_a
+
+    gen = torch.Generator().manual_seed(62)
+    for t in (0, 1, 37):
+        o = torch.randn(t, 8, 16, generator=gen).to(dtype)
+        wo_a = torch.randn(4 * 5, 8 * 16 // 4, generator=gen).to(dtype)
+        want = torch.einsum("tgc,grc->tgr", o.reshape(t, 4, 32), wo_a.view(4, 5, 32)).flatten(1)
+        got = grouped_wo_a(o, wo_a, 4)
+        assert got.shape == (t, 20) and got.is_contiguous()
+        assert torch.equal(got, want)
