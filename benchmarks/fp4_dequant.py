@@ -1,8 +1,9 @@
 """The routed experts' fp4 dequant kernel (`kernels/fp4_dequant.py`) at the MoE's launch shape
 (32 experts × 2304 rows × 5120 columns → bf16), one run over tile configurations (rows per
-program, columns per program, warps), the shipped one first as the baseline: ms per launch,
-effective TB/s (half a byte read and two bytes written per element, plus the fp32 scales), and
-the ratio to the baseline. Every configuration's output is checked equal to the baseline's.
+program, columns per program, warps), the shipped one first as the baseline, then the byte-wise
+candidate `dequant_fp4_pairs` (each packed byte loaded once, 16-byte loads and stores) over its
+tiles: ms per launch, effective TB/s (half a byte read and two bytes written per element, plus
+the fp32 scales), and the ratio to the baseline. Every output is checked equal to the baseline's.
 
     PYTHONPATH=python python -m benchmarks.fp4_dequant --out out/fp4_dequant.json
 """
@@ -23,6 +24,8 @@ from dsv4cp.ops.quant import scale_to_float
 
 ROWS, COLS = 32 * 2304, 5120
 CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 1024, 8), (1, 2048, 8)]
+# the byte-wise kernel (`dequant_fp4_pairs`): (rows, packed bytes, warps) per program
+PAIRS_CONFIGS = [(4, 512, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8), (4, 256, 4)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +46,27 @@ def main(argv: list[str] | None = None) -> int:
     moved = ROWS * COLS * (0.5 + 2) + scale.numel() * 4
     table = Table(title=f"fp4 dequant, {ROWS} x {COLS} -> bf16 (shipped: {shipped})")
     rows: list[dict[str, Any]] = []
-    baseline_ms, baseline_out = 0.0, None
+    base: dict[str, Any] = {}  # the shipped kernel's ms and output, the first row
+
+    def table_row(
+        name: str, tile: tuple[int, int, int], ms: float, out: torch.Tensor
+    ) -> dict[str, Any]:
+        base.setdefault("ms", ms)
+        base.setdefault("out", out)
+        r, cols, warps = tile
+        row = {
+            "kernel": name,
+            "rows": r,
+            "cols": cols,
+            "warps": warps,
+            "ms": ms,
+            "tb_per_s": moved / ms / 1e9,
+            "baseline_over_this": base["ms"] / ms,
+            "equal_to_baseline": bool(torch.equal(out, base["out"])),
+        }
+        table.add(row)
+        return row
+
     for r, k, warps in configs:
         out = torch.empty(ROWS, COLS, dtype=torch.bfloat16, device="cuda")
 
@@ -55,19 +78,18 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
 
         ms = time_cuda(launch, warmup=3, iters=args.iters)["median_ms"]
-        if baseline_out is None:
-            baseline_ms, baseline_out = ms, out
-        row = {
-            "rows": r,
-            "cols": k,
-            "warps": warps,
-            "ms": ms,
-            "tb_per_s": moved / ms / 1e9,
-            "baseline_over_this": baseline_ms / ms,
-            "equal_to_baseline": bool(torch.equal(out, baseline_out)),
-        }
-        rows.append(row)
-        table.add(row)
+        rows.append(table_row("elements", (r, k, warps), ms, out))
+    for r, nbytes, warps in PAIRS_CONFIGS:  # the byte-wise candidate, same inputs and output
+        cfg = (r, nbytes, warps)
+        out = kernel.dequant_fp4_pairs(packed, scale, out_dtype=torch.bfloat16, config=cfg)
+        ms = time_cuda(
+            lambda c=cfg: kernel.dequant_fp4_pairs(
+                packed, scale, out_dtype=torch.bfloat16, config=c
+            ),
+            warmup=3,
+            iters=args.iters,
+        )["median_ms"]
+        rows.append(table_row("pairs", (r, 2 * nbytes, warps), ms, out))
     table.print()
     write_json(
         args.out,

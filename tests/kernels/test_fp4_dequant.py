@@ -14,7 +14,12 @@ import torch
 
 from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
 
-CASES = ["every_code_bit_exact", "shapes_and_dtypes", "grouped_moe_with_the_kernel"]
+CASES = [
+    "every_code_bit_exact",
+    "shapes_and_dtypes",
+    "grouped_moe_with_the_kernel",
+    "pairs_kernel_bit_exact",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +49,23 @@ def test_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
     import triton.language as tl
 
-    from dsv4cp.kernels.fp4_dequant import _BLOCK_K, _BLOCK_R, _WARPS, _dequant_fp4_kernel
+    from dsv4cp.kernels.fp4_dequant import (
+        _BLOCK_K,
+        _BLOCK_R,
+        _WARPS,
+        PAIRS_CONFIG,
+        _dequant_fp4_kernel,
+        _dequant_fp4_pairs_kernel,
+    )
     from tests.kernels.test_indexer_topk_compile import _compile
 
     for out, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         types = ["*u8", "*fp32", f"*{name}", "i32", "i32", "i32", "i32", "i32"]
         const = dict(BLOCK=32, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, OUT_DTYPE=out, EMULATE=False)
         _compile(_dequant_fp4_kernel, types, const, _WARPS, 1)
+        r, nbytes, warps = PAIRS_CONFIG
+        const = dict(BLOCK=32, BLOCK_R=r, BLOCK_B=nbytes, OUT_DTYPE=out, EMULATE=False)
+        _compile(_dequant_fp4_pairs_kernel, types, const, warps, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -123,6 +138,30 @@ def _cases() -> dict[str, object]:
                 x, counts, w1, w3, w2, expert_chunk=chunk, kernels=routed, **kw
             )
             same(got, want)
+
+    def pairs_kernel_bit_exact() -> None:
+        """The byte-wise candidate: every code, ragged row counts, several tiles, both dtypes."""
+        g = torch.Generator().manual_seed(2)
+        every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5, 1)
+        cases = [(every, 512)]
+        for n, k in ((1, 32), (37, 96), (9, 1024), (130, 2304)):
+            raw = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32)
+            cases.append((raw.to(torch.uint8), k))
+        for packed, k in cases:
+            n = packed.shape[0]
+            scale = torch.randint(100, 140, (n, k // 32), generator=g, dtype=torch.int32)
+            scale = scale.to(torch.uint8).view(torch.float8_e8m0fnu)
+            for out in (torch.float32, torch.bfloat16):
+                want = ops_linear.dequant_fp4(packed, scale, out_dtype=out)
+                small = packed.numel() <= 4096  # the interpreter steps every program
+                for config in [kernel.PAIRS_CONFIG] + ([(1, 16, 1), (2, 64, 2)] if small else []):
+                    got = kernel.dequant_fp4_pairs(packed, scale, out_dtype=out, config=config)
+                    same(got, want)
+        try:
+            kernel.dequant_fp4_pairs(every, scale[:5, :16], config=(1, 24, 1))
+            raise AssertionError("a tile of partial scale blocks must be refused")
+        except ValueError as e:
+            assert "not whole blocks" in str(e)
 
     return {name: f for name, f in locals().items() if name in CASES}
 
