@@ -22,6 +22,12 @@ def check_tl_dtype(t: torch.Tensor, what: str) -> None:
         )
 
 
+def check_out_dtype(dtype: torch.dtype, what: str) -> None:
+    """A ValueError naming `what` unless the kernels can store `dtype` (fp32, bf16, fp16)."""
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"{what}: out_dtype must be fp32, bf16 or fp16, got {dtype}")
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

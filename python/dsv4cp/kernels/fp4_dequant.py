@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, check_out_dtype, interpreting, to_dtype
 from dsv4cp.kernels.kv_decode import _minifloat
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp4_weight
 from dsv4cp.ops.quant import scale_to_float
@@ -100,8 +100,7 @@ def _operands(
 ) -> tuple[int, int, Tensor, Tensor, Tensor]:
     """(N, K, the codes as uint8 rows, the scales in fp32, the empty output) after the checks."""
     n, k = check_fp4_weight(packed, scale, block)
-    if out_dtype not in TL_DTYPES:
-        raise ValueError(f"dequant_fp4: out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
+    check_out_dtype(out_dtype, "dequant_fp4")
     codes = packed.view(torch.uint8)
     codes = codes if codes.stride(-1) == 1 else codes.contiguous()
     s = scale_to_float(scale).contiguous()

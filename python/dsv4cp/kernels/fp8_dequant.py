@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
+from dsv4cp.kernels._triton import TL_DTYPES, check_out_dtype, interpreting, to_dtype
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp8_blocks
 from dsv4cp.ops.quant import scale_to_float
 
@@ -61,10 +61,7 @@ def dequant_fp8_blocks(
     """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] → out_dtype [N, K]
     (exact in fp32 and bf16)."""
     n, k = check_fp8_blocks(w, scale, block, "dequant_fp8_blocks")
-    if out_dtype not in TL_DTYPES:
-        raise ValueError(
-            f"dequant_fp8_blocks: out_dtype must be fp32, bf16 or fp16, got {out_dtype}"
-        )
+    check_out_dtype(out_dtype, "dequant_fp8_blocks")
     w = w if w.stride(-1) == 1 else w.contiguous()
     s = scale_to_float(scale).contiguous()
     out = torch.empty(n, k, dtype=out_dtype, device=w.device)

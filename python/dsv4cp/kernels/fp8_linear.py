@@ -40,8 +40,8 @@ from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.kernels.fp8_dequant import dequant_fp8_blocks
 from dsv4cp.ops.linear import (
     WEIGHT_BLOCK,
+    check_fp8_blocks,
     check_rows_valid,
-    fp8_scale_shape,
     zero_invalid_rows,
 )
 from dsv4cp.ops.quant import scale_to_float
@@ -115,9 +115,16 @@ def fake_act_quant_fp8(
 ) -> Tensor:
     """Kernel twin of `ops.quant.fake_act_quant_fp8`: act_quant_fp8's codes × scales in out_dtype
     (default x.dtype; exact in bf16 and fp32), one pass: read x once, write once."""
+    return _fake_act_quant(x, block, out_dtype or x.dtype)
+
+
+def _fake_act_quant(
+    x: Tensor, block: int, out_dtype: torch.dtype, rows_valid: Tensor | None = None
+) -> Tensor:
+    """fake_act_quant_fp8 in out_dtype; rows where `rows_valid` is False come out 0."""
     x2 = _act_rows(x, block, "fake_act_quant_fp8")
-    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
-    _launch_act_quant(x2, out, out, block, dequant=True)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    _launch_act_quant(x2, out, out, block, dequant=True, rows_valid=rows_valid)
     return out.view(x.shape)
 
 
@@ -249,13 +256,7 @@ def fp8_linear(
 
 
 def _check_gemm_args(x: Tensor, w: Tensor, w_scale: Tensor) -> tuple[int, int]:
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
-    n, k = w.shape
-    if tuple(w_scale.shape) != fp8_scale_shape(n, k):
-        raise ValueError(
-            f"fp8_linear: scale shape {tuple(w_scale.shape)} != expected {fp8_scale_shape(n, k)}"
-        )
+    n, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, "fp8_linear")
     if x.shape[-1] != k:
         raise ValueError(f"fp8_linear: x last dim {x.shape[-1]} != weight in_features {k}")
     return n, k
@@ -280,10 +281,7 @@ def dequant_mm(
 def quantized_act_bf16(x: Tensor, rows_valid: Tensor | None = None) -> Tensor:
     """x [M, K] → act_quant_fp8's codes × power-of-two scales as bf16 [M, K] (exact), one pass;
     rows where `rows_valid` [M] is False come out 0."""
-    x2 = _act_rows(x, WEIGHT_BLOCK, "fake_act_quant_fp8")
-    out = torch.empty(x2.shape, dtype=torch.bfloat16, device=x.device)
-    _launch_act_quant(x2, out, out, WEIGHT_BLOCK, dequant=True, rows_valid=rows_valid)
-    return out
+    return _fake_act_quant(x, WEIGHT_BLOCK, torch.bfloat16, rows_valid)
 
 
 def dequant_weight_bf16(w: Tensor, w_scale: Tensor) -> Tensor:

@@ -181,10 +181,7 @@ def fp8_linear(
     x.dtype); act_quant_fp8(x, 32), then the block-scaled GEMM with fp32 accumulation.
     `rows_valid` (bool, x.shape[:-1]): the rows where it is False are zeroed first (padding
     rows, docs/invariants.md invariant 5)."""
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise ValueError(f"fp8_linear: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
-    n, k = w.shape
-    _check_scale(w_scale, fp8_scale_shape(n, k), "fp8_linear")
+    n, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, "fp8_linear")
     x = zero_invalid_rows(x, rows_valid)
     a, a_scale = _quantized_act(x, k, "fp8_linear")
     b_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n]  # per output row
