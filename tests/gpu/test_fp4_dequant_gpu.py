@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.kernels.fp4_dequant import dequant_fp4, dequant_fp4_pairs
+from dsv4cp.kernels.fp4_dequant import dequant_fp4
 from dsv4cp.ops import linear as ops_linear
 
 pytestmark = [
@@ -27,4 +27,3 @@ def test_dequant_equals_the_twin_bit_for_bit(rows: int) -> None:
     for out in (torch.bfloat16, torch.float32):
         want = ops_linear.dequant_fp4(packed, scale, out_dtype=out)
         assert torch.equal(dequant_fp4(packed, scale, out_dtype=out), want), out
-        assert torch.equal(dequant_fp4_pairs(packed, scale, out_dtype=out), want), out

@@ -18,7 +18,7 @@ CASES = [
     "every_code_bit_exact",
     "shapes_and_dtypes",
     "grouped_moe_with_the_kernel",
-    "pairs_kernel_bit_exact",
+    "tiles_bit_exact",
 ]
 
 
@@ -49,23 +49,16 @@ def test_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
     import triton.language as tl
 
-    from dsv4cp.kernels.fp4_dequant import (
-        _BLOCK_K,
-        _BLOCK_R,
-        _WARPS,
-        PAIRS_CONFIG,
-        _dequant_fp4_kernel,
-        _dequant_fp4_pairs_kernel,
-    )
+    from dsv4cp.kernels.fp4_dequant import CONFIG, _dequant_fp4_kernel
     from tests.kernels.test_indexer_topk_compile import _compile
 
     for out, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
-        types = ["*u8", "*fp32", f"*{name}", "i32", "i32", "i32", "i32", "i32"]
-        const = dict(BLOCK=32, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, OUT_DTYPE=out, EMULATE=False)
-        _compile(_dequant_fp4_kernel, types, const, _WARPS, 1)
-        r, nbytes, warps = PAIRS_CONFIG
-        const = dict(BLOCK=32, BLOCK_R=r, BLOCK_B=nbytes, OUT_DTYPE=out, EMULATE=False)
-        _compile(_dequant_fp4_pairs_kernel, types, const, warps, 1)
+        for e8m0 in (True, False):
+            types = ["*u8", "*u8" if e8m0 else "*fp32", f"*{name}", "i32", "i32", "i32", "i32"]
+            types.append("i32")
+            r, nbytes, warps = CONFIG
+            const = dict(BLOCK=32, BLOCK_R=r, BLOCK_B=nbytes, OUT_DTYPE=out, EMULATE=False)
+            _compile(_dequant_fp4_kernel, types, {**const, "E8M0": e8m0}, warps, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -139,8 +132,8 @@ def _cases() -> dict[str, object]:
             )
             same(got, want)
 
-    def pairs_kernel_bit_exact() -> None:
-        """The byte-wise candidate: every code, ragged row counts, several tiles, both dtypes."""
+    def tiles_bit_exact() -> None:
+        """Other tile configs: every code, ragged row counts, several tiles, both dtypes."""
         g = torch.Generator().manual_seed(2)
         every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5, 1)
         cases = [(every, 512)]
@@ -154,11 +147,11 @@ def _cases() -> dict[str, object]:
             for out in (torch.float32, torch.bfloat16):
                 want = ops_linear.dequant_fp4(packed, scale, out_dtype=out)
                 small = packed.numel() <= 4096  # the interpreter steps every program
-                for config in [kernel.PAIRS_CONFIG] + ([(1, 16, 1), (2, 64, 2)] if small else []):
-                    got = kernel.dequant_fp4_pairs(packed, scale, out_dtype=out, config=config)
+                for config in [kernel.CONFIG] + ([(1, 16, 1), (2, 64, 2)] if small else []):
+                    got = kernel.launch_dequant_fp4(packed, scale, out_dtype=out, config=config)
                     same(got, want)
         try:
-            kernel.dequant_fp4_pairs(every, scale[:5, :16], config=(1, 24, 1))
+            kernel.launch_dequant_fp4(every, scale[:5, :16], config=(1, 24, 1))
             raise AssertionError("a tile of partial scale blocks must be refused")
         except ValueError as e:
             assert "not whole blocks" in str(e)
