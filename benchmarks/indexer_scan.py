@@ -1,7 +1,9 @@
 """The fused indexer node (`kernels/indexer_topk.py`: logits + running top-k, the logits never in
 memory) at V4.1-Flash shapes, one run over its tile configurations, the shipped default first
 as the baseline: ms per call (CUDA events), the ratio to the baseline, and whether each
-configuration selects exactly what the baseline selects (it must: the selection is exact).
+configuration selects exactly what the baseline selects (it must: the selection is exact). In
+qat the shipped config also runs with `key_bits=32` (the running top-k's 32-step search, what
+was shipped before the 16-step one for bf16 scores).
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights; 32 heads × 128, top-k 512, `--quant`): the ratio-2 index source (plain top-k over
@@ -28,7 +30,10 @@ CONFIGS = [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)]
 HEADS, DIM, TOP_K, BLOCKS, BLOCK_SIZE = 32, 128, 512, 2048, 8
 
 
-def _roles(t: int, quant: str) -> dict[str, Callable[[tuple[int, int, int, int]], Any]]:
+Variant = tuple[tuple[int, int, int, int], int | None]  # (config, key_bits)
+
+
+def _roles(t: int, quant: str) -> dict[str, Callable[[Variant], Any]]:
     g = torch.Generator(device="cuda").manual_seed(t)
     q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16()
     w = torch.randn(t, HEADS, device="cuda", generator=g) / HEADS
@@ -40,25 +45,18 @@ def _roles(t: int, quant: str) -> dict[str, Callable[[tuple[int, int, int, int]]
         q, w, k, nv1, TOP_K, block_size=BLOCK_SIZE, max_blocks=BLOCKS, quant=quant
     )
     assert blocks is not None
+
+    def run(keys: torch.Tensor, nv: torch.Tensor, v: Variant, **kw: Any) -> Any:
+        return kernel.launch_mqa_topk(
+            q, w, keys, nv, TOP_K, quant=quant, config=v[0], key_bits=v[1], **kw
+        )
+
     return {
-        "r2 index source": lambda c: kernel.launch_mqa_topk(
-            q, w, k2, nv2, TOP_K, quant=quant, config=c
+        "r2 index source": lambda v: run(k2, nv2, v)[0],
+        "r1 candidate source": lambda v: run(k, nv1, v, block_size=BLOCK_SIZE, max_blocks=BLOCKS),
+        "r1 candidate consumer": lambda v: run(
+            k, nv1, v, block_ids=blocks, block_size=BLOCK_SIZE, consumer="map"
         )[0],
-        "r1 candidate source": lambda c: kernel.launch_mqa_topk(
-            q, w, k, nv1, TOP_K, block_size=BLOCK_SIZE, max_blocks=BLOCKS, quant=quant, config=c
-        ),
-        "r1 candidate consumer": lambda c: kernel.launch_mqa_topk(
-            q,
-            w,
-            k,
-            nv1,
-            TOP_K,
-            block_ids=blocks,
-            block_size=BLOCK_SIZE,
-            quant=quant,
-            consumer="map",
-            config=c,
-        )[0],  # fmt: skip
     }
 
 
@@ -79,23 +77,28 @@ def main(argv: list[str] | None = None) -> int:
         print("indexer_scan: needs a CUDA GPU", file=sys.stderr)
         return 2
     shipped = kernel.DEFAULT_CONFIG
-    configs = list(dict.fromkeys([shipped, *CONFIGS]))
+    variants: list[Variant] = [(shipped, None)]
+    if args.quant == "qat":
+        variants.append((shipped, 32))
+    variants += [(c, None) for c in CONFIGS if c != shipped]
     table = Table(title=f"fused indexer node, {args.quant}, shipped config {shipped} first")
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for t in (int(v) for v in args.tokens.split(",")):
             for role, run in _roles(t, args.quant).items():
                 base_ms, base_out = 0.0, None
-                for config in configs:
-                    out = run(config)
-                    ms = time_cuda(lambda c=config, f=run: f(c), warmup=2, iters=args.iters)
+                for variant in variants:
+                    config, key_bits = variant
+                    out = run(variant)
+                    ms = time_cuda(lambda v=variant, f=run: f(v), warmup=2, iters=args.iters)
                     if base_out is None:
                         base_ms, base_out = ms["median_ms"], out
                     row = {
                         "tokens": t,
                         "role": role,
                         "config": str(config),
-                        "shipped": config == shipped,
+                        "key_bits": key_bits or "default",
+                        "shipped": variant == (shipped, None),
                         "ms": ms["median_ms"],
                         "shipped_over_this": base_ms / ms["median_ms"],
                         "equal_to_shipped": _same(out, base_out),

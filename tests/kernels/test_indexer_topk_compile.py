@@ -69,6 +69,7 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
         BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
         STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
+        KEY_BITS=16 if qat else 32,
     )  # fmt: skip
     ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
     assert "wgmma.mma_async" in ptx
@@ -81,7 +82,7 @@ def test_gather_kernel_compiles_for_sm90(qat: bool) -> None:
     types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
     const = dict(
         K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
-        UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
+        UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, KEY_BITS=16 if qat else 32,
     )  # fmt: skip
     ptx = _compile(gather_kernel, types, const, 4, 2)
     assert "mma" in ptx  # all 32 heads of a row in one tensor-core product

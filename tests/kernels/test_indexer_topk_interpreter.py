@@ -29,6 +29,7 @@ CASES = (
     "consumer",
     "consumer_gather",
     "random_floats_tie_aware",
+    "qat_key_bits",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
 
@@ -61,6 +62,25 @@ def test_launcher_limits() -> None:
         launch_mqa_topk(q, w, k, nv, 8, cap=32, config=(16, 32, 4, 1))
     with pytest.raises(ValueError, match="consumer must be"):
         launch_mqa_topk(q, w, k, nv, 8, block_ids=torch.zeros(2, 3), consumer="dense")
+    with pytest.raises(ValueError, match="key_bits 16 must be 32, or 16 in qat"):
+        launch_mqa_topk(q, w, k, nv, 8, key_bits=16)  # fp32 scores need all 32 bits
+    with pytest.raises(ValueError, match="key_bits 8 must be"):
+        launch_mqa_topk(q, w, k, nv, 8, key_bits=8, quant="qat")
+
+
+def test_pieces_fill_whole_waves() -> None:
+    from dsv4cp.kernels.indexer_topk import plan_pieces
+
+    # H200: 132 SMs, 2 scan programs each. CP 4 / CP 8 ranks of a 16K chunk at 112K (64 / 32
+    # row blocks of 64): one wave of 256 programs, not 320 / 288 (two waves)
+    assert plan_pieces(64, 132, 2, 16) == 4
+    assert plan_pieces(32, 132, 2, 16) == 8
+    # cold 16K (256 row blocks, at most 2 pieces of a 8K width) and 64K (1024): as before
+    assert plan_pieces(256, 132, 2, 2) == 2
+    assert plan_pieces(1024, 132, 2, 16) == 1
+    assert plan_pieces(3, 4, 1, 1) == 1
+    with pytest.raises(ValueError, match="must be ≥ 1"):
+        plan_pieces(0, 132, 2, 4)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -174,6 +194,37 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 block_ids=ids, block_size=4, consumer="gather",
             )  # fmt: skip
             equal(got, want, f"gather cap={cap}")
+
+    def qat_key_bits():
+        # qat scores are bf16 values (many ties after rounding, both signs): the 16-bit search
+        # (the default) and the 32-bit one select what the twin selects, with cuts (cap 64),
+        # several pieces, the candidate source's blocks and the consumer's gather mode.
+        q, w, k, nv = inputs(27, 4, 16, 200, seed=11)
+        q, k = q * 37, k * 29  # products beyond bf16's 8 bits: the roundings tie columns
+        nv[:3] = torch.tensor([200, 0, 5])
+        want = ops.mqa_topk(q, w, k, nv, 16, quant="qat")
+        want_top, want_blocks = ops.mqa_topk_candidates(q, w, k, nv, 16, 4, 12, quant="qat")
+        g = torch.Generator().manual_seed(12)
+        ids = torch.randint(-1, 50, (27, 9), generator=g).int()
+        want_among = ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 16, quant="qat")
+        for bits in (None, 16, 32):
+            for pieces in (None, 3):
+                got, _ = kern.launch_mqa_topk(
+                    q, w, k, nv, 16, config=CFG, pieces=pieces, cap=64, quant="qat",
+                    key_bits=bits,
+                )  # fmt: skip
+                equal(got, want, f"qat key_bits={bits} pieces={pieces}")
+            top, blocks = kern.launch_mqa_topk(
+                q, w, k, nv, 16, config=CFG, cap=64, quant="qat", key_bits=bits,
+                block_size=4, max_blocks=12,
+            )  # fmt: skip
+            equal(top, want_top, f"qat candidates key_bits={bits}")
+            equal(blocks, want_blocks, f"qat blocks key_bits={bits}")
+            got, _ = kern.launch_mqa_topk(
+                q, w, k, nv, 16, config=CFG, cap=64, quant="qat", key_bits=bits,
+                block_ids=ids, block_size=4, consumer="gather",
+            )  # fmt: skip
+            equal(got, want_among, f"qat gather key_bits={bits}")
 
     def random_floats_tie_aware():
         g = torch.Generator().manual_seed(7)

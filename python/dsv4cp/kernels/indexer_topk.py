@@ -43,6 +43,10 @@ SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map)
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
+# Resident scan programs per SM by config: DEFAULT_CONFIG's 255 registers × 128 threads allow 2
+# (ncu on the H200: "Block Limit Registers 2", benchmarks/results/ncu_scan_stalls_h200_2026-12-
+# 03e.txt); other configs are planned as 1. Used only to plan the pieces (never correctness).
+PROGRAMS_PER_SM = {DEFAULT_CONFIG: 2}
 
 
 def check_mqa_topk(q: Tensor, weights: Tensor, k: Tensor, n_visible: Tensor, k_top: int) -> None:
@@ -52,17 +56,38 @@ def check_mqa_topk(q: Tensor, weights: Tensor, k: Tensor, n_visible: Tensor, k_t
         raise ValueError(f"mqa_topk kernel: k_top must be in [1, {MAX_K}], got {k_top}")
 
 
-def _pieces(rows: int, width: int, block_t: int, block_n: int, k_pad: int, device: torch.device):
+def plan_pieces(row_blocks: int, sms: int, per_sm: int, most: int) -> int:
+    """Width pieces of `row_blocks` programs each. When the row blocks fill a wave of resident
+    programs (sms · per_sm) alone: 1. Else the count whose programs run in the fewest waves per
+    piece of width — waves(p) / p, waves(p) = ⌈row_blocks · p / (sms · per_sm)⌉ — among
+    1..most; of equal ones, the nearest to ⌈2 · sms / row_blocks⌉ (two programs per SM, what
+    was planned before waves were counted). At 4096 rows (64 blocks) on 132 SMs × 2: 4 pieces
+    fill one wave (256 programs), where 5 took two (320) for 1/4 more work each."""
+    if row_blocks < 1 or sms < 1 or per_sm < 1 or most < 1:
+        raise ValueError(f"plan_pieces: {row_blocks=}, {sms=}, {per_sm=}, {most=} must be ≥ 1")
+    slots = sms * per_sm
+    if row_blocks >= slots:
+        return 1
+    want = triton.cdiv(2 * sms, row_blocks)
+
+    def rank(p: int) -> tuple[float, int]:
+        return (triton.cdiv(row_blocks * p, slots) / p, abs(p - want))
+
+    return min(range(1, most + 1), key=rank)
+
+
+def _pieces(
+    rows: int, width: int, config: tuple[int, int, int, int], k_pad: int, device: torch.device
+) -> tuple[int, int]:
     """(pieces, piece width): split the width when the row blocks alone do not fill the GPU."""
+    block_t, block_n = config[0], config[1]
     sms = (
         4
         if device.type != "cuda"
         else torch.cuda.get_device_properties(device).multi_processor_count
     )
-    row_blocks = triton.cdiv(rows, block_t)
-    want = triton.cdiv(2 * sms, row_blocks)
     most = max(1, min(triton.cdiv(width, MIN_PIECE), MAX_MERGE // k_pad))
-    pieces = max(1, min(want, most))
+    pieces = plan_pieces(triton.cdiv(rows, block_t), sms, PROGRAMS_PER_SM.get(config, 1), most)
     piece_w = triton.cdiv(triton.cdiv(width, pieces), block_n) * block_n
     return triton.cdiv(width, piece_w), piece_w
 
@@ -85,6 +110,7 @@ def launch_mqa_topk(
     row_group: int = 4,
     consumer: str = "auto",
     quant: QuantMode = "none",
+    key_bits: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
@@ -93,9 +119,16 @@ def launch_mqa_topk(
     `consumer`: "map" scores every visible key and selects in the published blocks, "gather"
     scores only the published blocks' keys, "auto" gathers when the width is at least
     GATHER_WIDTH_RATIO times the published positions. `quant="qat"`: the reference's bf16 index
-    scores (each head's term rounded as `index_scores_qat`, the head sum rounded once)."""
+    scores (each head's term rounded as `index_scores_qat`, the head sum rounded once).
+    `key_bits`: the high key bits the running top-k's search walks (`running_topk`); default 16
+    in qat (the scores are bf16 values), else 32; 32 in qat is the slower equivalent."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     qat = check_quant_mode(quant) == "qat"
+    key_bits = (16 if qat else 32) if key_bits is None else key_bits
+    if key_bits not in ((16, 32) if qat else (32,)):
+        raise ValueError(
+            f"mqa_topk kernel: key_bits {key_bits} must be 32, or 16 in qat (bf16 scores)"
+        )
     t, h, d = q.shape
     n = k.shape[0]
     width = n if width is None else int(width)
@@ -141,14 +174,14 @@ def launch_mqa_topk(
         wide = width >= GATHER_WIDTH_RATIO * block_ids.shape[1] * block_size
         if consumer == "gather" or (consumer == "auto" and wide):
             launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
-                           block_n, cap, nb, qat)  # fmt: skip
+                           block_n, cap, nb, qat, key_bits)  # fmt: skip
             return out, None
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     def plan(rows: int) -> tuple[int, int]:
         if pieces is None:
-            return _pieces(rows, width, block_t, block_n, k_pad, q.device)
+            return _pieces(rows, width, (block_t, block_n, warps, stages), k_pad, q.device)
         piece_w = triton.cdiv(triton.cdiv(width, pieces), block_n) * block_n
         return triton.cdiv(width, piece_w), piece_w
 
@@ -184,7 +217,7 @@ def launch_mqa_topk(
             member, bmax, sk, si, cnt, tau, o,
             rows, h, n, width, p, piece_w, nb,
             q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
-            K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group,
+            K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group, KEY_BITS=key_bits,
             HAS_KSTART=k_start is not None, MEMBER=member_mode, BLOCK_MAX=bool(max_blocks),
             BS=block_size, DIRECT=p == 1, PREFIX=not member_mode,
             D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec,

@@ -25,7 +25,8 @@ def gather_kernel(
     q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, ids_ptr, sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr,
     T, H, N, WIDTH, NB, MB,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
-    K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, HAS_KSTART: tl.constexpr,
+    K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, KEY_BITS: tl.constexpr,
+    HAS_KSTART: tl.constexpr,
     D: tl.constexpr, H_PAD: tl.constexpr, BS: tl.constexpr, BPT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
@@ -80,14 +81,17 @@ def gather_kernel(
                     tl.store(cnt_ptr + slot, cnt)
                     tl.debug_barrier()
                     cut_rows(
-                        sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K
-                    )
+                        sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K,
+                        KEY_BITS,
+                    )  # fmt: skip
                     tl.debug_barrier()
                     cnt = tl.load(cnt_ptr + slot)
                     tau = tl.load(tau_ptr + slot)
         tl.store(cnt_ptr + slot, cnt)
         tl.debug_barrier()
-        cut_rows(sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K)
+        cut_rows(
+            sk_ptr, si_ptr, cnt_ptr, tau_ptr, slot.to(tl.int64), slot >= 0, 1, CAP, K, KEY_BITS
+        )
         tl.debug_barrier()
         c = tl.max(tl.load(cnt_ptr + slot), 0)
         sel = tl.load(si_ptr + pid.to(tl.int64) * CAP + o, mask=o < c, other=-1)
@@ -109,6 +113,7 @@ def launch_gather(
     cap: int,
     nb: int,
     qat: bool = False,
+    key_bits: int = 32,
 ) -> None:
     """The consumer's gather mode into `out`: ids sorted, duplicates dropped (the kernel appends
     columns in ascending order, which the tie rule needs), one buffer per program."""
@@ -129,7 +134,7 @@ def launch_gather(
         ids, sk, si, cnt, tau, out,
         t, h, k.shape[0], width, nb, ids.shape[1],
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), ids.stride(0), out.stride(0),
-        K=out.shape[1], K_PAD=triton.next_power_of_2(out.shape[1]), CAP=cap,
+        K=out.shape[1], K_PAD=triton.next_power_of_2(out.shape[1]), CAP=cap, KEY_BITS=key_bits,
         HAS_KSTART=k_start is not None, D=d, H_PAD=max(16, triton.next_power_of_2(h)),
         BS=block_size, BPT=block_n // block_size,
         UPCAST=interpreting() and q.dtype != torch.float32,

@@ -37,6 +37,7 @@ def scan_kernel(
     T, H, N, WIDTH, PIECES, PIECE_W, NB,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, RG: tl.constexpr,
+    KEY_BITS: tl.constexpr,
     HAS_KSTART: tl.constexpr, MEMBER: tl.constexpr, BLOCK_MAX: tl.constexpr, BS: tl.constexpr,
     DIRECT: tl.constexpr, PREFIX: tl.constexpr,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
@@ -112,13 +113,15 @@ def scan_kernel(
                     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
                     cut_block(
                         sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES,
-                        BLOCK_T, RG, CAP, K,
+                        BLOCK_T, RG, CAP, K, KEY_BITS,
                     )  # fmt: skip
                     cnt = tl.load(cnt_ptr + slots, mask=row_ok, other=0)
                     tau = tl.load(tau_ptr + slots, mask=row_ok, other=-2147483648)
         done = tl.where(active, 1, done)
     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
-    cut_block(sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES, BLOCK_T, RG, CAP, K)
+    cut_block(
+        sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES, BLOCK_T, RG, CAP, K, KEY_BITS
+    )
     if DIRECT:  # one piece: the buffers are the answer (ascending columns, -1 pads)
         o = tl.arange(0, K_PAD)
         for g in range(0, BLOCK_T, RG):

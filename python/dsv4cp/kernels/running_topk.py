@@ -8,6 +8,12 @@ K). When a buffer is nearly full it is cut to exactly its top K by (key desc, co
 compaction (`cut_rows`); τ rises. A later column enters only if its key is > τ: on a tie it loses
 to the K buffered keys, which all have smaller columns. After the last column the buffer is the
 exact top K in the total order of `ops.indexer._pick_topk` (value, then the smaller index).
+
+KEY_BITS: how many high key bits the search walks. 32 always works. With 16, every key must be
+the sortable image of a bf16 value (the `qat` index scores, rounded to bf16): its low 16 bits
+are then 0 for a positive value and all ones for a negative one, a function of the high 16
+(which hold the sign), so 16 steps find the K-th key's high half and one more step its low half
+— 17 counts over the buffer instead of 32.
 """
 
 from __future__ import annotations
@@ -17,13 +23,18 @@ import triton.language as tl
 
 
 @triton.jit
-def kth_rows(keys, R: tl.constexpr, K: tl.constexpr):
+def kth_rows(keys, R: tl.constexpr, K: tl.constexpr, KEY_BITS: tl.constexpr):
     """Per row of `keys` [R, C] (int32; INT_MIN pads never counted): its K-th largest key, or
     INT_MIN when the row has fewer than K keys."""
     tau_u = tl.zeros([R], dtype=tl.int64)  # built bit by bit in the unsigned image key + 2^31
     one = tl.full([R], 1, tl.int64)
-    for i in range(32):
+    for i in range(KEY_BITS):
         cand_u = tau_u + (one << (31 - i))
+        cand = (cand_u - 2147483648).to(tl.int32)
+        cnt = tl.sum((keys >= cand[:, None]).to(tl.int32), 1)
+        tau_u = tl.where(cnt >= K, cand_u, tau_u)
+    if KEY_BITS < 32:  # the low bits: all zero or all ones (see the module docstring)
+        cand_u = tau_u + ((one << (32 - KEY_BITS)) - 1)
         cand = (cand_u - 2147483648).to(tl.int32)
         cnt = tl.sum((keys >= cand[:, None]).to(tl.int32), 1)
         tau_u = tl.where(cnt >= K, cand_u, tau_u)
@@ -33,7 +44,7 @@ def kth_rows(keys, R: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def cut_rows(
     sk_ptr, si_ptr, cnt_ptr, tau_ptr, slots, ok,
-    R: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr,
+    R: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """Cut the buffers of `slots` [R] to their top K (stable) and publish count and τ."""
     j = tl.arange(0, CAP)
@@ -42,7 +53,7 @@ def cut_rows(
     at = slots[:, None] * CAP + j[None, :]
     keys = tl.load(sk_ptr + at, mask=live, other=-2147483648)
     idx = tl.load(si_ptr + at, mask=live, other=0)
-    tau = kth_rows(keys, R, K)
+    tau = kth_rows(keys, R, K, KEY_BITS)
     gt = keys > tau[:, None]
     eq = (keys == tau[:, None]) & live
     need = K - tl.sum(gt.to(tl.int32), 1)
@@ -59,11 +70,12 @@ def cut_rows(
 def cut_block(
     sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES,
     BLOCK_T: tl.constexpr, RG: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """Cut every row buffer of the row block, RG rows at a time."""
     tl.debug_barrier()  # the appended pairs and counts are visible to every thread
     for g in range(0, BLOCK_T, RG):
         r = first_row + g + tl.arange(0, RG)
         slots = r.to(tl.int64) * PIECES + piece
-        cut_rows(sk_ptr, si_ptr, cnt_ptr, tau_ptr, slots, r < T, RG, CAP, K)
+        cut_rows(sk_ptr, si_ptr, cnt_ptr, tau_ptr, slots, r < T, RG, CAP, K, KEY_BITS)
     tl.debug_barrier()
