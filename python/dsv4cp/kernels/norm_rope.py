@@ -34,7 +34,8 @@ MAX_D = 8192  # the hidden size (5120) fits: one row per program there
 # (sections rows and rope) sweeps them. Narrow rows ran faster on the H200 with few warps of few
 # rows (benchmarks/results/kernels_rope_h200_2026-12-03d.json, docs/performance.md §8): the q
 # tail (64 wide) 1.02 → 0.226 ms with one warp of 8 rows, the index queries (128 wide, qat)
-# 0.656 → 0.322 ms with two warps of 4 rows.
+# 0.656 → 0.322 ms with two warps of 4 rows; with the pairs moved as whole vectors (§9) 0.107
+# and 0.162 ms (kernels_rope_h200_2026-12-03e.json).
 DEFAULT_CONFIG = (8, 4)
 NARROW_CONFIGS = {64: (1, 1), 128: (1, 2)}
 
@@ -176,14 +177,18 @@ def _norm_rope_kernel(
     PRECISE: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    # The whole row is one tile (norm, the unrotated dims, mid); the rope dims are read again as
-    # an (even, odd) pair tile so that cos/sin are evaluated only for the rope_dim / 2 pairs.
+    # The whole row is one tile (norm, the unrotated dims, mid). Without fake quant the rope
+    # dims are read again as a contiguous tile of (even, odd) pairs so that cos/sin are
+    # evaluated only for the rope_dim / 2 pairs; with it the row's own pairs are rotated.
     dt = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_ok = rows < T
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = r_ok[:, None] & (cols < D)[None, :]
+    x_ok = ok
+    if ROPE and QUANT == 0 and not NORM and not WRITE_MID:
+        x_ok = ok & (cols < ROPE0)[None, :]  # the rope columns are read below, as pairs
     x = _load_prep(
         x_ptr,
         g_ptr,
@@ -191,7 +196,7 @@ def _norm_rope_kernel(
         pg_ptr,
         rows64,
         cols[None, :],
-        ok,
+        x_ok,
         stride_x,
         stride_g,
         stride_px,
@@ -224,42 +229,21 @@ def _norm_rope_kernel(
     if QUANT != 0:
         y = x
         if ROPE:
-            # Each RoPE column c pairs with c ^ 1 (ROPE0 is even): the even one is a, the odd b.
-            is_rope = (cols >= ROPE0) & (cols < D)
-            pc = cols ^ 1
-            xp = _load_normed(
-                x_ptr,
-                g_ptr,
-                px_ptr,
-                pg_ptr,
-                w_ptr,
-                rows64,
-                pc[None, :],
-                r_ok[:, None] & is_rope[None, :],
-                is_rope[None, :],
-                inv,
-                stride_x,
-                stride_g,
-                stride_px,
-                stride_pg,
-                POOL,
-                ROUND_IN,
-                NORM,
-                HAS_W,
-                ROUND_MID,
-                dt,
-                RDT,
-                PRECISE,
-                EMULATE,
-            )
-            freq = tl.load(freq_ptr + (cols - ROPE0) // 2, mask=is_rope, other=0.0)
+            # the row's (even, odd) column pairs split in registers (ROPE0 is even): pair j is
+            # columns 2j, 2j + 1, a RoPE pair when 2j ≥ ROPE0, with frequency j − ROPE0 / 2
+            xe, xo = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_D // 2, 2]))
+            j = tl.arange(0, BLOCK_D // 2)
+            is_rope = (2 * j >= ROPE0) & (2 * j < D)
+            freq = tl.load(freq_ptr + (j - ROPE0 // 2), mask=is_rope, other=0.0)
             pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
             cos, sin = cos_sin(pos[:, None] * freq[None, :], PRECISE)
             if INVERSE:
                 sin = -sin
-            even = (cols % 2 == 0)[None, :]
-            rot = tl.where(even, x * cos - xp * sin, xp * sin + x * cos)
-            y = tl.where(is_rope[None, :], to_dtype(rot, RDT, EMULATE).to(tl.float32), x)
+            re = to_dtype(xe * cos - xo * sin, RDT, EMULATE).to(tl.float32)
+            ro = to_dtype(xe * sin + xo * cos, RDT, EMULATE).to(tl.float32)
+            re = tl.where(is_rope[None, :], re, xe)
+            ro = tl.where(is_rope[None, :], ro, xo)
+            y = tl.reshape(tl.join(re, ro), [BLOCK_T, BLOCK_D])
         y = fake_quant_blocks(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
         tl.store(out_rows + cols[None, :], to_dtype(y, dt, EMULATE), mask=ok)
     elif ROPE:
@@ -268,68 +252,46 @@ def _norm_rope_kernel(
             to_dtype(x, dt, EMULATE),
             mask=r_ok[:, None] & (cols < ROPE0)[None, :],
         )
+        # the RoPE columns as one contiguous tile of BLOCK_R (even, odd) pairs, split in
+        # registers: whole-vector loads and stores, no strided pair accesses
+        rc = ROPE0 + tl.arange(0, 2 * BLOCK_R)
+        rc_ok = rc < D
+        v = _load_normed(
+            x_ptr,
+            g_ptr,
+            px_ptr,
+            pg_ptr,
+            w_ptr,
+            rows64,
+            rc[None, :],
+            r_ok[:, None] & rc_ok[None, :],
+            rc_ok[None, :],
+            inv,
+            stride_x,
+            stride_g,
+            stride_px,
+            stride_pg,
+            POOL,
+            ROUND_IN,
+            NORM,
+            HAS_W,
+            ROUND_MID,
+            dt,
+            RDT,
+            PRECISE,
+            EMULATE,
+        )
+        a, b = tl.split(tl.reshape(v, [BLOCK_T, BLOCK_R, 2]))
         pair = tl.arange(0, BLOCK_R)
-        p_ok = pair < (D - ROPE0) // 2
-        pk = r_ok[:, None] & p_ok[None, :]
-        ca = (ROPE0 + 2 * pair)[None, :]
-        a = _load_normed(
-            x_ptr,
-            g_ptr,
-            px_ptr,
-            pg_ptr,
-            w_ptr,
-            rows64,
-            ca,
-            pk,
-            p_ok[None, :],
-            inv,
-            stride_x,
-            stride_g,
-            stride_px,
-            stride_pg,
-            POOL,
-            ROUND_IN,
-            NORM,
-            HAS_W,
-            ROUND_MID,
-            dt,
-            RDT,
-            PRECISE,
-            EMULATE,
-        )
-        b = _load_normed(
-            x_ptr,
-            g_ptr,
-            px_ptr,
-            pg_ptr,
-            w_ptr,
-            rows64,
-            ca + 1,
-            pk,
-            p_ok[None, :],
-            inv,
-            stride_x,
-            stride_g,
-            stride_px,
-            stride_pg,
-            POOL,
-            ROUND_IN,
-            NORM,
-            HAS_W,
-            ROUND_MID,
-            dt,
-            RDT,
-            PRECISE,
-            EMULATE,
-        )
-        freq = tl.load(freq_ptr + pair, mask=p_ok, other=0.0)
+        freq = tl.load(freq_ptr + pair, mask=pair < (D - ROPE0) // 2, other=0.0)
         pos = tl.load(pos_ptr + rows, mask=r_ok, other=0).to(tl.float32)
-        angle = pos[:, None] * freq[None, :]
-        cos, sin = cos_sin(angle, PRECISE)
+        cos, sin = cos_sin(pos[:, None] * freq[None, :], PRECISE)
         if INVERSE:
             sin = -sin
-        tl.store(out_rows + ca, to_dtype(a * cos - b * sin, dt, EMULATE), mask=pk)
-        tl.store(out_rows + ca + 1, to_dtype(a * sin + b * cos, dt, EMULATE), mask=pk)
+        rot = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), [BLOCK_T, 2 * BLOCK_R])
+        tl.store(
+            out_rows + rc[None, :], to_dtype(rot, dt, EMULATE), mask=r_ok[:, None] & rc_ok[None, :]
+        )
     else:
         tl.store(out_rows + cols[None, :], to_dtype(x, dt, EMULATE), mask=ok)
 
