@@ -40,6 +40,7 @@ from dsv4cp.ops.engram import RowSource
 from dsv4cp.ops.engram_hash import NgramHasher
 from dsv4cp.ops.finite import check_finite, finite_check_requested
 from dsv4cp.ops.hyper_connections import hc_expand_embedding, identity_pre
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.random_weights import init_random_
@@ -339,4 +340,4 @@ class DeepseekV41Model(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """fp32 logits [..., V]: the final norm in the model dtype, then the fp32 head."""
-        return F.linear(rms_norm(h, self.norm, self.config.rms_norm_eps).float(), self.head)
+        return linear_rows(rms_norm(h, self.norm, self.config.rms_norm_eps).float(), self.head)

@@ -37,7 +37,7 @@ from dsv4cp.tools.checking import (
     summarize,
 )
 from tests.model import dsv41_fixture as fx
-from tests.model.ep_scenarios import differences, fixture_qat, is_fp32_state, tiny12, tiny12_qat
+from tests.model.ep_scenarios import differences, fixture_qat, tiny12, tiny12_qat
 
 T = 23  # rows of the layer tests
 
@@ -105,21 +105,26 @@ def test_whole_model_qat_fake_ep_bit_for_bit(n: int) -> None:
     assert differences(got, want) == {}
 
 
+# The fixture's EP runs are compared with CP = N runs without EP (the same row split), bit for bit:
+# what EP alone changes. Against CP = 1 the fixture's hidden state of layer 6 differed in one
+# bf16 element (1 ulp) at CP = 2 on an AMD EPYC (MKL 2024.2, AVX2) with or without EP — a CPU
+# summation order that follows the row count, not EP; CP = N against CP = 1 is `check`'s and
+# test_cp's subject (within their tolerance there).
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_fixture_qat_fake_ep_bit_for_bit(n: int) -> None:
     sc = fixture_qat()
-    want = run_scenario(sc)
+    want, _ = run_cp_scenario(sc, n, "fake", check_order=True)
     got, _ = run_cp_scenario(replace(sc, ep=True), n, "fake", check_order=True)
-    differ = differences(got, want)
-    assert all(is_fp32_state(k) and v <= 1e-6 for k, v in differ.items()), differ
+    assert differences(got, want) == {}
 
 
 def test_fixture_qat_gloo_ep2_bit_for_bit() -> None:
     sc = fixture_qat(lens=(31, 20))
-    want = run_scenario(sc)
+    want, _ = run_cp_scenario(sc, 2, "fake", check_order=True)
     got, _ = run_cp_scenario(replace(sc, ep=True), 2, "gloo", timeout_s=120, check_order=True)
-    differ = differences(got, want)
-    assert all(is_fp32_state(k) and v <= 1e-6 for k, v in differ.items()), differ
+    assert differences(got, want) == {}
 
 
 @pytest.mark.parametrize("n,backend", [(2, "fake"), (3, "fake"), (4, "fake"), (3, "gloo")])

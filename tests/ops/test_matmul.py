@@ -11,11 +11,27 @@ from dsv4cp.ops.matmul import MM_OUT_DTYPE
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_is_the_fp32_product_of_the_operands(dtype: torch.dtype) -> None:
+    # 9 rows: on the CPU each is computed as it is among many (ops.matmul.CPU_MIN_ROWS), so the
+    # product equals those rows of a 64-row product, whatever kernel MKL picks for 9 rows alone
     torch.manual_seed(0)
     x, w = torch.randn(9, 64).to(dtype), torch.randn(24, 64).to(dtype)
     out = linear_fp32(x, w)
     assert out.dtype == torch.float32 and out.shape == (9, 24)
-    assert torch.equal(out, x.float() @ w.float().t())
+    many = torch.cat([torch.randn(30, 64).to(dtype), x, torch.randn(25, 64).to(dtype)])
+    assert torch.equal(out, (many.float() @ w.float().t())[30:39])
+
+
+def test_cpu_rows_do_not_depend_on_the_row_count() -> None:
+    from dsv4cp.ops.matmul import linear_rows
+
+    torch.manual_seed(1)
+    x, w = torch.randn(150, 96), torch.randn(40, 96)
+    full = linear_rows(x, w)
+    for m in (1, 2, 3, 5, 7, 9, 11, 13, 16, 31):
+        for a in (0, 3, 150 - m):
+            assert torch.equal(linear_rows(x[a : a + m], w), full[a : a + m]), (m, a)
+    assert torch.equal(linear_rows(x[:6].view(2, 3, 96), w), full[:6].view(2, 3, 40))
+    assert linear_rows(x[:0], w).shape == (0, 40)
 
 
 def test_probe_is_a_constant_bool() -> None:

@@ -85,14 +85,18 @@ def test_z_is_rounded_before_wo_b() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wo_a_is_the_groups_einsum_bit_for_bit(dtype: torch.dtype) -> None:
     """grouped_wo_a writes one bmm into z's [T, G, R] layout: the einsum's values exactly (the
-    same per-group GEMMs; only the permuting copy is gone), t = 0 included."""
+    same per-group GEMMs; only the permuting copy is gone), t = 0 included. The einsum runs over
+    the rows among 40 others: on the CPU grouped_wo_a gives every row that result whatever T
+    (ops.matmul.CPU_MIN_ROWS)."""
     from dsv4cp.ops import grouped_wo_a
 
     gen = torch.Generator().manual_seed(62)
     for t in (0, 1, 37):
         o = torch.randn(t, 8, 16, generator=gen).to(dtype)
         wo_a = torch.randn(4 * 5, 8 * 16 // 4, generator=gen).to(dtype)
-        want = torch.einsum("tgc,grc->tgr", o.reshape(t, 4, 32), wo_a.view(4, 5, 32)).flatten(1)
+        many = torch.cat([o, torch.randn(40, 8, 16, generator=gen).to(dtype)])
+        want = torch.einsum("tgc,grc->tgr", many.reshape(-1, 4, 32), wo_a.view(4, 5, 32))
+        want = want.flatten(1)[:t]
         got = grouped_wo_a(o, wo_a, 4)
         assert got.shape == (t, 20) and got.is_contiguous()
         assert torch.equal(got, want)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4cp.config import DeepseekV41Config
@@ -38,6 +37,7 @@ from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.layers.linear import Linear, Storage
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops.linear import WEIGHT_BLOCK
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.routing import (
     compressed_key,
@@ -173,7 +173,7 @@ class DeepseekV41Attention(nn.Module):
             # kv | gate in fp32: one gather carries both (4 KiB/token at D = 512).
             st["comp_kv"] = linear_fp32(x, self.comp_wkv)
         else:
-            st["comp_kv"] = F.linear(x, self.comp_wkv.to(x.dtype))
+            st["comp_kv"] = linear_rows(x, self.comp_wkv.to(x.dtype))
 
     def _q_norm(self, st: PrepareState) -> None:
         st["q_lora"] = rms_norm(st["q_raw"], self.q_norm, self.eps)

@@ -29,6 +29,7 @@ from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.hyper_connections import HyperConnection, hc_sublayer
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.routing import rms_norm
@@ -51,7 +52,7 @@ class DenseFFN(nn.Module):
         self.w2 = _frozen(d, inter, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
+        return linear_rows(F.silu(linear_rows(x, self.w1)) * linear_rows(x, self.w3), self.w2)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, Tensor]:
         return {f"{prefix}{n}.weight": getattr(self, n) for n in ("w1", "w2", "w3")}

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.ops.attention_quant import fake_quant_compressed_key_fp4, fake_quant_index_fp4
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope
@@ -64,7 +65,7 @@ def index_key(
 ) -> Tensor:
     """Index key [n, D_I] = rope(rms_norm(latent @ wkᵀ)); the GEMM, the norm and RoPE round to
     latent's dtype; under "qat" then fp4 e2m1 per 32 with ue8m0 scales, dequantized."""
-    proj = latent @ wk.to(latent.dtype).t()
+    proj = linear_rows(latent, wk.to(latent.dtype))
     k = rms_norm(proj, k_norm_weight, eps)
     key = apply_rope(k, entry_positions, rope_dim, theta, yarn)
     if check_quant_mode(quant) == "qat":

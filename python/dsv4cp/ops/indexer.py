@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.nn.functional import pad
 
 from dsv4cp.ops.attention_quant import fake_quant_index_fp4, index_scores_qat
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling, apply_rope
 
@@ -47,7 +48,7 @@ def rope_index_queries(
 def indexer_weights(x: Tensor, weights_proj: Tensor, *, head_dim: int) -> Tensor:
     """Head weights fp32 [T, H_I] = (x @ Wᵀ) rounded to x.dtype, times D_I^-½ · H_I^-½."""
     n_heads = weights_proj.shape[0]
-    w = (x @ weights_proj.to(x.dtype).t()).float()
+    w = linear_rows(x, weights_proj.to(x.dtype)).float()
     return w * (head_dim**-0.5 * n_heads**-0.5)
 
 
@@ -77,7 +78,7 @@ def mqa_logits(
         qf, kf, wf = q.float(), k.float(), weights.float()
         dense = torch.zeros(t, n, dtype=torch.float32, device=q.device)
         for head in range(h):  # per head keeps memory at [T, N]; the head order is fixed
-            dense = dense + (qf[:, head] @ kf.t()).relu() * wf[:, head, None]
+            dense = dense + linear_rows(qf[:, head], kf).relu() * wf[:, head, None]
     j = torch.arange(width, device=q.device)
     if n == 0:
         cols = torch.zeros(t, width, dtype=torch.float32, device=q.device)

@@ -19,9 +19,9 @@ F.linear in x.dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import (
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
@@ -248,7 +248,7 @@ def linear(
     if not quantized:
         if scale is not None:
             raise ValueError(f"linear: a dense {weight.dtype} weight takes no scale")
-        return F.linear(x.to(weight.dtype), weight).to(out_dtype)
+        return linear_rows(x.to(weight.dtype), weight).to(out_dtype)
     if scale is None:
         raise ValueError(f"linear: a {weight.dtype} weight needs its scale")
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -256,4 +256,4 @@ def linear(
         gemm = fp8_linear if fp8 else fp4_linear
         return gemm(x, weight, scale, out_dtype=out_dtype)
     dense = dequant_fp8_blocks(weight, scale) if fp8 else dequant_fp4(weight, scale)
-    return F.linear(x, dense.to(x.dtype)).to(out_dtype)
+    return linear_rows(x, dense.to(x.dtype)).to(out_dtype)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp.ops.linear import dequant_fp4, linear
+from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.moe_weights import ExpertStack, QuantWeight, stack_shape
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rowwise import rowwise_linear_fp32
@@ -68,7 +69,7 @@ def grouped_fp4_mm(xq: Tensor, counts: Tensor, stack: ExpertStack) -> Tensor:
     for e, n in enumerate(counts.tolist()):
         if n:
             w = dequant_fp4(stack.weight[e], stack.scale[e], out_dtype=torch.float32)
-            out[start : start + n] = (xq[start : start + n].float() @ w.t()).to(xq.dtype)
+            out[start : start + n] = linear_rows(xq[start : start + n].float(), w).to(xq.dtype)
         start += n
     return out
 

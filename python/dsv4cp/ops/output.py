@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv4cp.ops.matmul import linear_rows, pad_rows_cpu
+
 
 def grouped_wo_a(o: Tensor, wo_a: Tensor, groups: int) -> Tensor:
     """z [T, G·R_o], z[t,g] = wo_a[g] · o[t, heads of g], in o.dtype (reference
@@ -22,11 +24,12 @@ def grouped_wo_a(o: Tensor, wo_a: Tensor, groups: int) -> Tensor:
     # One bmm over the groups written straight into z's [T, G, R_o] layout (cuBLAS takes the
     # strided output; einsum would add a permuting copy of z: 0.34 ms at 16K tokens on the H200).
     r_o = wo_a.shape[0] // groups
-    og = o.reshape(t, groups, width).transpose(0, 1)
+    rows, t = pad_rows_cpu(o.reshape(t, groups * width))  # CPU: row-local (ops.matmul)
+    og = rows.reshape(-1, groups, width).transpose(0, 1)
     wa = wo_a.to(o.dtype).view(groups, r_o, width).transpose(1, 2)
-    z = o.new_empty(t, groups * r_o)
-    torch.bmm(og, wa, out=z.view(t, groups, r_o).transpose(0, 1))
-    return z
+    z = o.new_empty(rows.shape[0], groups * r_o)
+    torch.bmm(og, wa, out=z.view(-1, groups, r_o).transpose(0, 1))
+    return z[:t]
 
 
 def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor:
@@ -34,4 +37,4 @@ def grouped_output(o: Tensor, wo_a: Tensor, wo_b: Tensor, groups: int) -> Tensor
     z = grouped_wo_a(o, wo_a, groups)
     if wo_b.dim() != 2 or wo_b.shape[1] != z.shape[1]:
         raise ValueError(f"grouped_output: wo_b must be [d, {z.shape[1]}], got {tuple(wo_b.shape)}")
-    return z @ wo_b.to(o.dtype).t()
+    return linear_rows(z, wo_b.to(o.dtype))
