@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,24 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
 
 
-def _compile(fn: Any, types: list[str], const: dict[str, Any], warps: int, stages: int) -> str:
+def _compile(
+    fn: Any,
+    types: list[str],
+    const: dict[str, Any],
+    warps: int,
+    stages: int,
+    divisible: Sequence[str] = (),
+) -> str:
+    """sm_90 PTX of `fn` (checked by ptxas when it is there). `divisible`: argument names given
+    the divisibility by 16 that a launch specializes at real shapes (it decides vector widths)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     try:
         kernel = triton.compile(
-            ASTSource(fn, sig, constexprs=const),
+            ASTSource(fn, sig, constexprs=const, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=warps, num_stages=stages),
         )

@@ -27,32 +27,19 @@ BASE = dict(
 
 
 def _ptx(const: dict[str, Any], warps: int) -> str:
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from dsv4cp.kernels.norm_rope import _norm_rope_kernel as fn
+    from tests.kernels.test_indexer_topk_compile import _compile
 
     const = {**BASE, "RDT": tl.bfloat16, **const}
-    sig = dict(zip(fn.arg_names, TYPES + ["constexpr"] * len(const)))
     hinted = [
-        i
-        for i, name in enumerate(fn.arg_names[: len(TYPES)])
+        name
+        for name in fn.arg_names[: len(TYPES)]
         if name.endswith("_ptr") or name.startswith("stride") or name in ("T", "D", "ROPE0")
     ]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
-    try:
-        kernel = triton.compile(
-            ASTSource(fn, sig, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=warps, num_stages=1),
-        )
-    except (ImportError, RuntimeError) as exc:  # no CUDA backend in this triton build
-        if "backend" in str(exc).lower():
-            pytest.skip(f"triton cannot target CUDA here: {exc}")
-        raise
-    return str(kernel.asm["ptx"])
+    return _compile(fn, TYPES, const, warps, 1, divisible=hinted)
 
 
 @pytest.mark.parametrize(
