@@ -23,21 +23,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _raise_if_k(keys, tau_u, step, K: tl.constexpr):
+    """tau_u + step where at least K keys of the row are ≥ it (unsigned images), else tau_u."""
+    cand_u = tau_u + step
+    cand = (cand_u - 2147483648).to(tl.int32)
+    cnt = tl.sum((keys >= cand[:, None]).to(tl.int32), 1)
+    return tl.where(cnt >= K, cand_u, tau_u)
+
+
+@triton.jit
 def kth_rows(keys, R: tl.constexpr, K: tl.constexpr, KEY_BITS: tl.constexpr):
     """Per row of `keys` [R, C] (int32; INT_MIN pads never counted): its K-th largest key, or
     INT_MIN when the row has fewer than K keys."""
     tau_u = tl.zeros([R], dtype=tl.int64)  # built bit by bit in the unsigned image key + 2^31
     one = tl.full([R], 1, tl.int64)
     for i in range(KEY_BITS):
-        cand_u = tau_u + (one << (31 - i))
-        cand = (cand_u - 2147483648).to(tl.int32)
-        cnt = tl.sum((keys >= cand[:, None]).to(tl.int32), 1)
-        tau_u = tl.where(cnt >= K, cand_u, tau_u)
+        tau_u = _raise_if_k(keys, tau_u, one << (31 - i), K)
     if KEY_BITS < 32:  # the low bits: all zero or all ones (see the module docstring)
-        cand_u = tau_u + ((one << (32 - KEY_BITS)) - 1)
-        cand = (cand_u - 2147483648).to(tl.int32)
-        cnt = tl.sum((keys >= cand[:, None]).to(tl.int32), 1)
-        tau_u = tl.where(cnt >= K, cand_u, tau_u)
+        tau_u = _raise_if_k(keys, tau_u, (one << (32 - KEY_BITS)) - 1, K)
     return (tau_u - 2147483648).to(tl.int32)
 
 
