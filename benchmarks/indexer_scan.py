@@ -3,7 +3,10 @@ memory) at V4.1-Flash shapes, one run over its tile configurations, the shipped 
 as the baseline: ms per call (CUDA events), the ratio to the baseline, and whether each
 configuration selects exactly what the baseline selects (it must: the selection is exact). In
 qat the shipped config also runs with `key_bits=32` (the running top-k's 32-step search, what
-was shipped before the 16-step one for bf16 scores).
+was shipped before the 16-step one for bf16 scores) and with `packed=False` (qat's bf16
+roundings one value per instruction, what was shipped before the two-value inline PTX). The
+running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once), `cap` 2048
+(fewer, larger cuts). `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights; 32 heads × 128, top-k 512, `--quant`): the ratio-2 index source (plain top-k over
@@ -30,7 +33,7 @@ CONFIGS = [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)]
 HEADS, DIM, TOP_K, BLOCKS, BLOCK_SIZE = 32, 128, 512, 2048, 8
 
 
-Variant = tuple[tuple[int, int, int, int], int | None]  # (config, key_bits)
+Variant = tuple[str, dict[str, Any]]  # (name, launch_mqa_topk keyword arguments)
 
 
 def _roles(t: int, quant: str) -> dict[str, Callable[[Variant], Any]]:
@@ -47,9 +50,7 @@ def _roles(t: int, quant: str) -> dict[str, Callable[[Variant], Any]]:
     assert blocks is not None
 
     def run(keys: torch.Tensor, nv: torch.Tensor, v: Variant, **kw: Any) -> Any:
-        return kernel.launch_mqa_topk(
-            q, w, keys, nv, TOP_K, quant=quant, config=v[0], key_bits=v[1], **kw
-        )
+        return kernel.launch_mqa_topk(q, w, keys, nv, TOP_K, quant=quant, **v[1], **kw)
 
     return {
         "r2 index source": lambda v: run(k2, nv2, v)[0],
@@ -71,16 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="16384", help="comma list of cold-prefill token counts")
     ap.add_argument("--quant", choices=["qat", "none"], default="qat")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma list of variant names (default all)")
     ap.add_argument("--out", default="out/indexer_scan.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("indexer_scan: needs a CUDA GPU", file=sys.stderr)
         return 2
     shipped = kernel.DEFAULT_CONFIG
-    variants: list[Variant] = [(shipped, None)]
+    variants: list[Variant] = [("shipped", {})]
     if args.quant == "qat":
-        variants.append((shipped, 32))
-    variants += [(c, None) for c in CONFIGS if c != shipped]
+        variants += [("key_bits=32", {"key_bits": 32}), ("packed=False", {"packed": False})]
+    variants += [(f"row_group={g}", {"row_group": g}) for g in (2, 8)]
+    variants += [("cap=2048", {"cap": 2048})]
+    variants += [(f"config={c}", {"config": c}) for c in CONFIGS if c != shipped]
+    if args.only:
+        names = set(args.only.split(","))
+        variants = [v for v in variants if v[0] in names or v[0] == "shipped"]
     table = Table(title=f"fused indexer node, {args.quant}, shipped config {shipped} first")
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
@@ -88,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
             for role, run in _roles(t, args.quant).items():
                 base_ms, base_out = 0.0, None
                 for variant in variants:
-                    config, key_bits = variant
                     out = run(variant)
                     ms = time_cuda(lambda v=variant, f=run: f(v), warmup=2, iters=args.iters)
                     if base_out is None:
@@ -96,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = {
                         "tokens": t,
                         "role": role,
-                        "config": str(config),
-                        "key_bits": key_bits or "default",
-                        "shipped": variant == (shipped, None),
+                        "variant": variant[0],
+                        "shipped": variant == variants[0],
                         "ms": ms["median_ms"],
                         "shipped_over_this": base_ms / ms["median_ms"],
                         "equal_to_shipped": _same(out, base_out),

@@ -129,3 +129,46 @@ def test_configs_and_graph_capture(config: tuple[int, int, int, int]) -> None:
     graph.replay()
     torch.cuda.synchronize()
     _equal(out, want)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_qat_matches_ops_packed_or_not(packed: bool) -> None:
+    """qat at Flash dims, integer inputs: each head's term and the head sum are rounded to bf16
+    as the twin rounds them (many exact ties), so the selections equal the twin's, with the
+    packed two-value roundings (default) and with one value per instruction (packed=False):
+    full top-k, the candidate source's blocks, the consumer's map and gather modes."""
+    t, n = 1024, 12000
+    q, w, k, g = _ints(t, n, seed=11)
+    nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
+    nv[:3] = torch.tensor([n, 0, 513], device="cuda")
+    want = ops.mqa_topk(q, w, k, nv, 512, quant="qat")
+    want_top, want_blocks = ops.mqa_topk_candidates(q, w, k, nv, 512, 8, 256, quant="qat")
+    want_among = ops.mqa_topk_among_blocks(q, w, k, nv, want_blocks, 8, 512, quant="qat")
+    kw = dict(quant="qat", packed=packed)
+    _equal(launch_mqa_topk(q, w, k, nv, 512, **kw)[0], want)
+    top, blocks = launch_mqa_topk(q, w, k, nv, 512, block_size=8, max_blocks=256, **kw)
+    assert blocks is not None
+    _equal(top, want_top)
+    _equal(blocks, want_blocks)
+    for mode in ("map", "gather"):
+        got, _ = launch_mqa_topk(
+            q, w, k, nv, 512, block_ids=want_blocks, block_size=8, consumer=mode, **kw
+        )
+        _equal(got, want_among)
+
+
+def test_qat_packed_equals_unpacked_on_random_inputs() -> None:
+    """Random bf16 queries and keys, fp32 weights: the packed roundings are the same bits as the
+    single ones (bf16 · bf16 is exact in fp32, rounded once either way), so the selections are
+    identical, ties and all."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    t, n = 768, 20000
+    q = torch.randn(t, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(n, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(t, H, device="cuda", generator=g) / 8
+    nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
+    a = launch_mqa_topk(q, w, k, nv, 512, quant="qat", block_size=8, max_blocks=512)
+    b = launch_mqa_topk(q, w, k, nv, 512, quant="qat", block_size=8, max_blocks=512, packed=False)
+    _equal(a[0], b[0])
+    assert a[1] is not None and b[1] is not None
+    _equal(a[1], b[1])

@@ -79,11 +79,31 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
     const = dict(
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
         BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
+        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, PACKED=True,
         KEY_BITS=16 if qat else 32,
     )  # fmt: skip
     ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
     assert "wgmma.mma_async" in ptx
+    if qat:  # the bf16 steps two values per instruction; single roundings only for the weights
+        assert "mul.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
+        assert ptx.count("cvt.rn.bf16.f32") <= 4, ptx.count("cvt.rn.bf16.f32")
+
+
+def test_scan_qat_unpacked_rounds_one_value_per_instruction() -> None:
+    """The control of the packed assertion above: PACKED=False (the A/B knob) rounds each of a
+    thread's 64 logits per head one at a time, twice."""
+    from dsv4cp.kernels import indexer_topk as m
+    from dsv4cp.kernels.indexer_topk_scan import scan_kernel
+
+    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
+    const = dict(
+        K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=False, BLOCK_MAX=False,
+        BS=8, DIRECT=True, PREFIX=True, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
+        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=True, RNE=False, PACKED=False,
+        KEY_BITS=16,
+    )  # fmt: skip
+    ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
+    assert "mul.rn.bf16x2" not in ptx and ptx.count("cvt.rn.bf16.f32") >= 64
 
 
 @pytest.mark.parametrize("qat", [False, True])
@@ -93,7 +113,8 @@ def test_gather_kernel_compiles_for_sm90(qat: bool) -> None:
     types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64"] + ["*i32"] * 6 + ["i32"] * 12
     const = dict(
         K=512, K_PAD=512, CAP=1024, HAS_KSTART=True, D=128, H_PAD=32, BS=8, BPT=16,
-        UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, KEY_BITS=16 if qat else 32,
+        UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, PACKED=True,
+        KEY_BITS=16 if qat else 32,
     )  # fmt: skip
     ptx = _compile(gather_kernel, types, const, 4, 2)
     assert "mma" in ptx  # all 32 heads of a row in one tensor-core product
@@ -131,7 +152,7 @@ def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
     types = ["*bf16", "*fp32", "*u8", "*i64", "*i32", "*i32", "*fp32"] + ["i32"] * 9
     const = dict(
         D=128, H_PAD=64, BLOCK_T=block_t, BLOCK_N=block_n, FMT=FORMAT_CODES["fp4_ue8m0_32"],
-        QAT=qat, UPCAST=False, DOT_PREC="tf32", RNE=False,
+        QAT=qat, UPCAST=False, DOT_PREC="tf32", RNE=False, PACKED=True,
     )  # fmt: skip
     ptx = _compile(m._mqa_logits_cached_kernel, types, const, warps, stages)
     assert "wgmma.mma_async" in ptx

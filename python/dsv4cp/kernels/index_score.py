@@ -8,6 +8,14 @@ row-by-row paths: a tree over the heads) and the sum rounded to bf16 once: the i
 of them is exact unless the block scales differ by about 2^10, so the scores equal the twin's but
 where that sum rounds; on one GPU the selection is a deterministic function of each row (CP = N
 equals CP = 1 bit for bit).
+
+PACKED (GPU only, sm_90): the qat steps two values at a time in inline PTX — one
+`cvt.rn.bf16x2.f32` rounds a pair of logits, `max.bf16x2` is the relu and `mul.rn.bf16x2` the
+product by the bf16 weight, rounded once (the product of two bf16 values is exact in fp32, so
+this is bf16(relu(bf16(s)) · bf16(w)) bit for bit). Unpacked, each value costs two single
+`cvt.rn.bf16.f32` (`F2F`, a quarter-rate pipe: a fifth of the scan's warp-stall samples on the
+H200, docs/performance.md §9). The CPU interpreter has no inline asm: RNE (interpreting) takes
+the bit-level rounding instead.
 """
 
 from __future__ import annotations
@@ -19,10 +27,51 @@ from dsv4cp.kernels._triton import to_dtype
 
 
 @triton.jit
-def head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr):
+def _term_bf16x2(s, wb):
+    """bf16(relu(bf16(s)) · wb) as fp32, two values per asm block (wb: bf16 weights)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 p, z;
+        mov.b32 z, 0;
+        cvt.rn.bf16x2.f32 p, $3, $2;
+        max.bf16x2 p, p, z;
+        mul.rn.bf16x2 p, p, $4;
+        shl.b32 $0, p, 16;
+        and.b32 $1, p, 0xFFFF0000;
+        }""",
+        constraints="=r,=r,r,r,r",
+        args=[s, wb],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _round_bf16x2(x):
+    """fp32 → the nearest bf16 (ties to even) as fp32, two values per asm block."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 p;
+        cvt.rn.bf16x2.f32 p, $3, $2;
+        shl.b32 $0, p, 16;
+        and.b32 $1, p, 0xFFFF0000;
+        }""",
+        constraints="=r,=r,r,r",
+        args=[x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr, PACKED: tl.constexpr):
     """One head's relu(s)·w in fp32, or the reference's bf16 steps under qat:
     bf16(relu(bf16(s)) · bf16(w)) (`ops.attention_quant.index_scores_qat`)."""
-    if QAT:
+    if QAT and PACKED and not RNE:
+        return _term_bf16x2(s, w.to(tl.bfloat16))
+    elif QAT:
         sb = to_dtype(s, tl.bfloat16, RNE).to(tl.float32)
         wb = to_dtype(w, tl.bfloat16, RNE).to(tl.float32)
         return to_dtype(tl.maximum(sb, 0.0) * wb, tl.bfloat16, RNE).to(tl.float32)
@@ -31,9 +80,11 @@ def head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def index_score(acc, QAT: tl.constexpr, RNE: tl.constexpr):
+def index_score(acc, QAT: tl.constexpr, RNE: tl.constexpr, PACKED: tl.constexpr):
     """The head sum as the index score: one bf16 rounding under qat."""
-    if QAT:
+    if QAT and PACKED and not RNE:
+        return _round_bf16x2(acc)
+    elif QAT:
         return to_dtype(acc, tl.bfloat16, RNE).to(tl.float32)
     else:
         return acc
@@ -50,6 +101,7 @@ def add_heads(
     stride_qh,
     QAT: tl.constexpr,
     RNE: tl.constexpr,
+    PACKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     STAGES: tl.constexpr,
@@ -57,14 +109,14 @@ def add_heads(
     """acc + Σ_h head_term(q_h · kt, w_h), heads in order 0…H−1: q_ptrs [rows, D] and w_ptrs
     [rows] point at head 0 (next head: + stride_qh and + 1), kt [D, cols] the key tile, rows
     outside row_mask read zeros; one tensor-core product per head. STAGES: the loop's
-    software-pipelining depth (None: the compiler's default)."""
+    software-pipelining depth (None: the compiler's default). PACKED: see the module docstring."""
     for _ in tl.range(0, H, num_stages=STAGES):
         qh = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)
         wh = tl.load(w_ptrs, mask=row_mask, other=0.0)
         if UPCAST:
             qh = qh.to(tl.float32)
         s = tl.dot(qh, kt, input_precision=DOT_PREC)
-        acc += head_term(s, wh[:, None], QAT, RNE)
+        acc += head_term(s, wh[:, None], QAT, RNE, PACKED)
         q_ptrs += stride_qh
         w_ptrs += 1
     return acc

@@ -67,6 +67,7 @@ def _mqa_logits_cached_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -91,9 +92,10 @@ def _mqa_logits_cached_kernel(
             q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
             w_ptrs = w_ptr + rows.to(tl.int64) * stride_wt
             acc = add_heads(
-                acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, RNE, UPCAST, DOT_PREC, None
-            )
-        acc = index_score(acc, QAT, RNE)
+                acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, RNE,
+                PACKED, UPCAST, DOT_PREC, None,
+            )  # fmt: skip
+        acc = index_score(acc, QAT, RNE, PACKED)
         visible = cols[None, :] < nvis[:, None]
         tl.store(
             out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
@@ -123,8 +125,8 @@ def _mqa_logits_cached_kernel(
                     kt = kt.to(qt.dtype)
                 wt = tl.load(w_ptr + t64 * stride_wt + hh, mask=h_ok, other=0.0)
                 s = tl.dot(qt, kt, input_precision=DOT_PREC)
-                row = tl.sum(head_term(s, wt[:, None], QAT, RNE), 0)
-                row = index_score(row, QAT, RNE)
+                row = tl.sum(head_term(s, wt[:, None], QAT, RNE, PACKED), 0)
+                row = index_score(row, QAT, RNE, PACKED)
                 row = tl.where(cols < nv_t, row, float("-inf"))
                 tl.store(out_ptr + t64 * stride_ot + cols, row, mask=col_ok)
 
@@ -246,6 +248,7 @@ def launch_mqa_logits_cached(
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         RNE=interpreting(),  # the interpreter truncates fp32 → bf16
+        PACKED=True,  # the qat steps two values per asm block (not in the interpreter: RNE)
         num_warps=warps,
         num_stages=stages,
     )

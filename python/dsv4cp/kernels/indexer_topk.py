@@ -111,6 +111,7 @@ def launch_mqa_topk(
     consumer: str = "auto",
     quant: QuantMode = "none",
     key_bits: int | None = None,
+    packed: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
@@ -121,7 +122,9 @@ def launch_mqa_topk(
     GATHER_WIDTH_RATIO times the published positions. `quant="qat"`: the reference's bf16 index
     scores (each head's term rounded as `index_scores_qat`, the head sum rounded once).
     `key_bits`: the high key bits the running top-k's search walks (`running_topk`); default 16
-    in qat (the scores are bf16 values), else 32; 32 in qat is the slower equivalent."""
+    in qat (the scores are bf16 values), else 32; 32 in qat is the slower equivalent.
+    `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
+    same bits as `packed=False`, which rounds one value at a time)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
@@ -174,7 +177,7 @@ def launch_mqa_topk(
         wide = width >= GATHER_WIDTH_RATIO * block_ids.shape[1] * block_size
         if consumer == "gather" or (consumer == "auto" and wide):
             launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
-                           block_n, cap, nb, qat, key_bits)  # fmt: skip
+                           block_n, cap, nb, qat, key_bits, packed)  # fmt: skip
             return out, None
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -221,7 +224,7 @@ def launch_mqa_topk(
             HAS_KSTART=k_start is not None, MEMBER=member_mode, BLOCK_MAX=bool(max_blocks),
             BS=block_size, DIRECT=p == 1, PREFIX=not member_mode,
             D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec,
-            QAT=qat, RNE=interpreting(), num_warps=warps, num_stages=stages,
+            QAT=qat, RNE=interpreting(), PACKED=packed, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if p > 1:
             merge_kernel[(rows,)](

@@ -29,6 +29,7 @@ def gather_kernel(
     HAS_KSTART: tl.constexpr,
     D: tl.constexpr, H_PAD: tl.constexpr, BS: tl.constexpr, BPT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     # A consumer at long context: per row, only its published blocks (ascending ids, -1 skipped)
     # are scored, BPT blocks of BS keys per tile, all heads of the row in one product.
@@ -68,7 +69,8 @@ def gather_kernel(
             if UPCAST:
                 kt = kt.to(tl.float32)
             s = tl.dot(qt, kt, input_precision=DOT_PREC)
-            logit = index_score(tl.sum(head_term(s, wt[:, None], QAT, RNE), 0), QAT, RNE)
+            terms = head_term(s, wt[:, None], QAT, RNE, PACKED)
+            logit = index_score(tl.sum(terms, 0), QAT, RNE, PACKED)
             key = _sortable(logit)
             take = valid & (logit > float("-inf")) & (key > tau)
             n_take = tl.sum(take.to(tl.int32), 0)
@@ -114,6 +116,7 @@ def launch_gather(
     nb: int,
     qat: bool = False,
     key_bits: int = 32,
+    packed: bool = True,
 ) -> None:
     """The consumer's gather mode into `out`: ids sorted, duplicates dropped (the kernel appends
     columns in ascending order, which the tie rule needs), one buffer per program."""
@@ -139,5 +142,5 @@ def launch_gather(
         BS=block_size, BPT=block_n // block_size,
         UPCAST=interpreting() and q.dtype != torch.float32,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        QAT=qat, RNE=interpreting(), num_warps=4,
+        QAT=qat, RNE=interpreting(), PACKED=packed, num_warps=4,
     )  # fmt: skip

@@ -42,6 +42,7 @@ def scan_kernel(
     DIRECT: tl.constexpr, PREFIX: tl.constexpr,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     first_row = tl.program_id(0) * BLOCK_T
     piece = tl.program_id(1)
@@ -79,9 +80,10 @@ def scan_kernel(
             q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
             w_ptrs = w_ptr + rows64 * stride_wt
             acc = add_heads(
-                acc, q_ptrs, w_ptrs, kt, active, H, stride_qh, QAT, RNE, UPCAST, DOT_PREC, STAGES
-            )
-            acc = index_score(acc, QAT, RNE)
+                acc, q_ptrs, w_ptrs, kt, active, H, stride_qh, QAT, RNE,
+                PACKED, UPCAST, DOT_PREC, STAGES,
+            )  # fmt: skip
+            acc = index_score(acc, QAT, RNE, PACKED)
             vis = active[:, None] & (cols[None, :] < nv[:, None])
             if BLOCK_MAX:
                 blk = tl.max(
@@ -105,9 +107,14 @@ def scan_kernel(
             # (the device's) failed to compile this kernel (block max + qat) with mask=take
             n_take = tl.sum(take_i, 1)
             if tl.max(n_take, 0) > 0:
-                at = slots[:, None] * CAP + cnt[:, None] + tl.cumsum(take_i, 1) - 1
-                tl.store(sk_ptr + at, key, mask=take_i != 0)
-                tl.store(si_ptr + at, cols[None, :] + tl.zeros_like(key), mask=take_i != 0)
+                # int32 offsets from each row's buffer: 64-bit addresses per element spilled
+                at = cnt[:, None] + tl.cumsum(take_i, 1) - 1
+                tl.store((sk_ptr + slots * CAP)[:, None] + at, key, mask=take_i != 0)
+                tl.store(
+                    (si_ptr + slots * CAP)[:, None] + at,
+                    cols[None, :] + tl.zeros_like(key),
+                    mask=take_i != 0,
+                )
                 cnt += n_take
                 if tl.max(cnt, 0) > CAP - BLOCK_N:  # a buffer could overflow at the next tile
                     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
