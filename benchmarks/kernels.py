@@ -5,7 +5,9 @@
 Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention
 with sink; FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA
 store and the ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries,
-previous config vs default). Every kernel row also records its max |kernel − twin|.
+previous config vs default), workspace (FlashMLA's bf16 workspace over the caches: the rows'
+numbering by the Triton `workspace_rows` kernels against their torch twins, the same decode).
+Every kernel row also records its max |kernel − twin|.
 Compute rows give TFLOP/s and the fraction of the measured bf16 GEMM rate and of 790 TFLOP/s;
 memory rows give GB/s over the bytes each op must move and the fraction of the measured copy rate
 and of 4.3 TB/s. Times are medians of CUDA-graph replays timed with CUDA events (no Python
@@ -465,6 +467,52 @@ def bench_rope() -> None:
     _rope_configs("rope_idx_q", shape_i, nbytes_i, index_kernel, maxdiff=_maxdiff(got_i, ref_i))
 
 
+def bench_workspace() -> None:
+    """`flashmla.build_workspace` for one index layer's chunk at Flash shapes: 16K queries, the
+    SWA window (128 per row) over the chunk's SWA rows and the top-k (512 per row) over a ratio-2
+    cache of 8K entries, qat formats; the rows' numbering by the Triton kernels (shipped) and by
+    their torch twins (`ops.workspace_rows`: marks by `scatter_reduce`, not the `index_fill_`
+    into a sink row that the CUDA path ran before the kernels), same decode, same outputs."""
+    from dsv4cp.kernels import flashmla
+    from dsv4cp.ops import workspace_rows as ops_rows
+    from dsv4cp.ops.kv_format import encode_rows
+
+    t, n_swa, n_comp, d = _pick((16384, 16384, 8192, 512), (8, 24, 16, 64))
+    win, top = _pick((128, 512), (8, 16))
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    swa = encode_rows(torch.randn(n_swa, d, device=DEV), "fp8_ue8m0_32", dense_dtype=torch.bfloat16)
+    comp = encode_rows(
+        torch.randn(n_comp, d, device=DEV), "fp8_ue8m0_32", dense_dtype=torch.bfloat16
+    )
+    rows = torch.arange(t, device=DEV)[:, None]
+    swa_idx = (rows - torch.arange(win, device=DEV)[None, :]).clamp(min=-1).int()
+    comp_idx = torch.randint(0, n_comp, (t, top), device=DEV, generator=gen).int()
+    comp_idx = torch.where(comp_idx > rows // 2, -1, comp_idx)
+    src = flashmla.workspace_sources(swa, swa_idx, comp, comp_idx, "fp8_ue8m0_32", "fp8_ue8m0_32",
+                                     (n_swa, n_comp))  # fmt: skip
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return flashmla.build_workspace(src, slice(0, t), d, torch.bfloat16)
+
+    shape = f"T={t} K={win}+{top} N={n_swa}+{n_comp} D={d}"
+    kv, idx = run()
+    ms_kernel = _ms(run)
+    saved = flashmla.k_rows
+    flashmla.k_rows = ops_rows  # type: ignore[assignment] # the same functions, in torch
+    try:
+        kv_t, idx_t = run()
+        ms_twin = _ms(run)
+    finally:
+        flashmla.k_rows = saved
+    same = bool(torch.equal(idx, idx_t)) and bool(
+        torch.equal(kv[idx[idx >= 0].long()], kv_t[idx_t[idx_t >= 0].long()])
+    )
+    nbytes = 4.0 * (swa_idx.numel() + comp_idx.numel()) * 3  # indices read twice, written once
+    _row("workspace", "ops twins (torch numbering)", shape, "int32", ms_twin, nbytes=nbytes)
+    _row("workspace", "kernels (shipped)", shape, "int32", ms_kernel, nbytes=nbytes,
+         twin_over_kernel=ms_twin / ms_kernel, same_output=same)  # fmt: skip
+
+
 def _rope_configs(
     op: str, shape: str, nbytes: float, run: Callable[[tuple[int, int] | None], None], **extra: Any
 ) -> None:
@@ -559,6 +607,7 @@ SECTIONS = {
     "attn": lambda a: bench_attention(a.sweep),
     "rows": lambda a: bench_rows(),
     "rope": lambda a: bench_rope(),
+    "workspace": lambda a: bench_workspace(),
 }
 
 

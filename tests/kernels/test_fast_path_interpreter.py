@@ -3,6 +3,9 @@
 - `kv_decode.decode_gather`: chosen cache rows of every storage format decoded into a dense
   workspace, bit for bit `ops.kv_format.decode_rows` (rows with −1 untouched);
 - `flashmla.build_workspace` with that Triton decode (what the CUDA path runs);
+- `workspace_rows.mark_rows` / `remap_rows` (the workspace's row numbering) bit for bit
+  `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row slice, a
+  column slice of the output, a bound below the count;
 - `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
   workspace, then the fused scan) against `ops.mqa_topk_cached`, in both numerics and the three
   roles (full top-k, candidate source, candidate consumer with the map and the gather kernel),
@@ -26,6 +29,7 @@ from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
 CASES = (
     "decode_gather_every_format",
     "workspace_with_the_triton_decode",
+    "workspace_rows_twins",
     "topk_cached_none_dense",
     "topk_cached_qat_full",
     "topk_cached_qat_candidates",
@@ -100,6 +104,25 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         v = both >= 0
         equal(idx >= 0, v, "valid")
         equal(kv[idx[v].long()].float(), keys[both[v]], "rows")
+
+    def workspace_rows_twins():
+        from dsv4cp.kernels import workspace_rows as kern_rows
+        from dsv4cp.ops import workspace_rows as ops_rows
+
+        for dtype, n, bound in ((torch.int32, 50, 1000), (torch.int64, 300, 40)):
+            full = torch.randint(-3, n + 4, (23, 150), generator=g).to(dtype)
+            full[3, :20] = 7  # one row named many times
+            idx = full[2:21]  # a row slice: stride 150
+            marks = [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
+            kern_rows.mark_rows(idx, marks[0])
+            ops_rows.mark_rows(idx, marks[1])
+            equal(marks[0], marks[1], f"mark {dtype}")
+            number = torch.cumsum(marks[0], 0, dtype=torch.int32) - 1
+            outs = [torch.full((19, 170), 5, dtype=torch.int32) for _ in range(2)]
+            kern_rows.remap_rows(idx, number, outs[0][:, 10:160], 64, bound)
+            ops_rows.remap_rows(idx, number, outs[1][:, 10:160], 64, bound)
+            equal(outs[0], outs[1], f"remap {dtype}")  # the columns outside untouched too
+            assert bool((outs[0][:, 10:160] == -1).any()) and bool((outs[0] >= 64).any())
 
     def index_inputs(t: int, h: int, d: int, n: int, qat: bool, seed: int):
         gg = torch.Generator().manual_seed(seed)

@@ -141,6 +141,16 @@ def test_workspace_decode_compiles_for_sm90(fmt: int) -> None:
     _compile(m._decode_gather_kernel, ["*u8", "*i32", "*bf16", "i32", "i32", "i32"], const, 4, 1)
 
 
+def test_workspace_numbering_compiles_for_sm90() -> None:
+    """The workspace's row marks and index remap (`workspace_rows`), int32 and int64 indices."""
+    from dsv4cp.kernels import workspace_rows as m
+
+    const = dict(BT=m.BLOCK_T, BK=m.BLOCK_K)
+    for idx in ("*i32", "*i64"):
+        _compile(m._mark_kernel, [idx, "*i32"] + ["i32"] * 4, const, 4, 1)
+        _compile(m._remap_kernel, [idx, "*i32", "*i32"] + ["i32"] * 7, const, 4, 1)
+
+
 @pytest.mark.parametrize("qat", [False, True])
 def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
     """`indexer_logits_cached` shares the heads loop (`index_score.add_heads`, its pipelining

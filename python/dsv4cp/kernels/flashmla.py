@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4cp.kernels import attention as triton_attention
+from dsv4cp.kernels import workspace_rows as k_rows
 from dsv4cp.kernels._triton import interpreting
 from dsv4cp.kernels.kv_decode import decode_gather
+from dsv4cp.ops import workspace_rows as ops_rows
 from dsv4cp.ops.kv_format import decode_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
@@ -253,35 +255,38 @@ def build_workspace(
 
     Per source, without a host sync (graph-capturable): mark the referenced cache rows, a prefix
     sum numbers them 0…n−1 in row order, the workspace row i is decoded from the i-th marked row,
-    and an index becomes its row's number plus the source's offset. B is the static bound
-    `chunk_bound`; a count above it (a wrong bound) trips a device-side assert, never a silent
-    wrong row. Rows past the count are never named and stay unwritten.
+    and an index becomes its row's number plus the source's offset, written into its source's
+    columns (`workspace_rows`: Triton on CUDA and in the interpreter, the torch twins otherwise).
+    B is the static bound `chunk_bound`; a count above it (a wrong bound) trips a device-side
+    assert, never a silent wrong row. Rows past the count are never named and stay unwritten.
     """
     bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
     device = sources[0][1].device
+    kernels = device.type == "cuda" or interpreting()
     kv = torch.empty((max(1, sum(bounds)), d), dtype=dtype, device=device)
-    parts, base = [], 0
-    for (cache, indices, fmt, _), bound in zip(sources, bounds):
-        idx = indices[rows]
+    widths = [idx.shape[1] for _, idx, _, _ in sources]
+    out = torch.empty((rows.stop - rows.start, sum(widths)), dtype=torch.int32, device=device)
+    base, col = 0, 0
+    for (cache, indices, fmt, _), bound, width in zip(sources, bounds, widths):
+        idx, part = indices[rows], out[:, col : col + width]
+        col += width
         n = cache.shape[0]
-        valid = (idx >= 0) & (idx < n)
         if bound == 0:
-            parts.append(torch.full_like(idx, -1, dtype=torch.int32))
+            part.fill_(-1)
             continue
-        mark = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        mark.index_fill_(0, torch.where(valid, idx.long(), n).flatten(), 1)
-        marked = mark[:n].bool()
-        number = torch.cumsum(mark[:n], 0, dtype=torch.int32) - 1  # row → workspace row
+        mark = torch.zeros(n, dtype=torch.int32, device=device)
+        (k_rows if kernels else ops_rows).mark_rows(idx, mark)
+        marked = mark.bool()
+        number = torch.cumsum(mark, 0, dtype=torch.int32) - 1  # row → workspace row
         if device.type == "cuda":
             torch._assert_async(number[-1] < bound, "sparse_attention_cached: workspace bound")
         where = torch.where(marked & (number < bound), number.long(), bound)
         src = torch.full((bound + 1,), -1, dtype=torch.int32, device=device)
         src.scatter_(0, where, torch.arange(n, dtype=torch.int32, device=device))
         _decode(cache, src[:bound], fmt, d, kv[base : base + bound])
-        remap = number[idx.long().clamp(0, n - 1)] + base
-        parts.append(torch.where(valid & (remap < base + bound), remap, -1).to(torch.int32))
+        (k_rows if kernels else ops_rows).remap_rows(idx, number, part, base, bound)
         base += bound
-    return kv, torch.cat(parts, dim=1)
+    return kv, out
 
 
 def _decode(cache: Tensor, src: Tensor, fmt: str, d: int, out: Tensor) -> None:

@@ -1,0 +1,83 @@
+"""The workspace's row numbering in Triton (twins: `dsv4cp.ops.workspace_rows`): one pass over a
+chunk's [t, K] indices to mark the cache rows they name, one to rewrite them as workspace rows.
+
+The torch twins build int64 copies, masks and gathers of the [t, K] indices, about ten kernels
+per source (1.4 ms of a 16K-token index layer's 4.0 ms sparse-attention stage on the H200,
+docs/performance.md §10); here each pass reads the indices once and the indices are never
+widened. Stores of 1 to the same row from several programs are benign (the same value).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_T, BLOCK_K = 16, 128
+
+
+@triton.jit
+def _mark_kernel(idx_ptr, mark_ptr, T, K, N, stride_t, BT: tl.constexpr, BK: tl.constexpr):
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (r < T)[:, None] & (c < K)[None, :]
+    i = tl.load(idx_ptr + r.to(tl.int64)[:, None] * stride_t + c[None, :], mask=m, other=-1)
+    ok = m & (i >= 0) & (i < N)
+    tl.store(mark_ptr + i, tl.full([BT, BK], 1, tl.int32), mask=ok)
+
+
+@triton.jit
+def _remap_kernel(
+    idx_ptr, num_ptr, out_ptr, T, K, N, BASE, BOUND, stride_t, stride_o,
+    BT: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (r < T)[:, None] & (c < K)[None, :]
+    i = tl.load(idx_ptr + r.to(tl.int64)[:, None] * stride_t + c[None, :], mask=m, other=-1)
+    ok = m & (i >= 0) & (i < N)
+    num = tl.load(num_ptr + i, mask=ok, other=BOUND)
+    res = tl.where(ok & (num < BOUND), num + BASE, -1)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], res, mask=m)
+
+
+def _grid(idx: Tensor) -> tuple[int, int]:
+    return triton.cdiv(idx.shape[0], BLOCK_T), triton.cdiv(idx.shape[1], BLOCK_K)
+
+
+def _rows(idx: Tensor, what: str) -> Tensor:
+    """`idx` as [t, K] with unit column stride (a copy only when it has another)."""
+    if idx.dim() != 2:
+        raise ValueError(f"{what}: indices must be [t, K], got {tuple(idx.shape)}")
+    return idx if idx.shape[1] <= 1 or idx.stride(1) == 1 else idx.contiguous()
+
+
+def mark_rows(idx: Tensor, mark: Tensor) -> None:
+    """Twin of ops.workspace_rows.mark_rows (mark int32 [n], contiguous)."""
+    idx = _rows(idx, "mark_rows")
+    if mark.dtype != torch.int32 or not mark.is_contiguous():
+        raise ValueError("mark_rows: mark must be a contiguous int32 vector")
+    if idx.numel():
+        _mark_kernel[_grid(idx)](
+            idx, mark, idx.shape[0], idx.shape[1], mark.shape[0], idx.stride(0),
+            BT=BLOCK_T, BK=BLOCK_K,
+        )  # fmt: skip
+
+
+def remap_rows(idx: Tensor, number: Tensor, out: Tensor, base: int, bound: int) -> None:
+    """Twin of ops.workspace_rows.remap_rows (number int32; out int32 with unit column stride)."""
+    idx = _rows(idx, "remap_rows")
+    if (
+        out.dtype != torch.int32
+        or out.shape != idx.shape
+        or (out.shape[1] > 1 and out.stride(1) != 1)
+    ):
+        raise ValueError("remap_rows: out must be int32 [t, K] with unit column stride")
+    if number.dtype != torch.int32 or not number.is_contiguous():
+        raise ValueError("remap_rows: number must be a contiguous int32 vector")
+    if idx.numel():
+        _remap_kernel[_grid(idx)](
+            idx, number, out, idx.shape[0], idx.shape[1], number.shape[0], base, bound,
+            idx.stride(0), out.stride(0), BT=BLOCK_T, BK=BLOCK_K,
+        )  # fmt: skip
