@@ -12,10 +12,11 @@ equals CP = 1 bit for bit).
 PACKED (GPU only, sm_90): the qat steps two values at a time in inline PTX — one
 `cvt.rn.bf16x2.f32` rounds a pair of logits, `max.bf16x2` is the relu and `mul.rn.bf16x2` the
 product by the bf16 weight, rounded once (the product of two bf16 values is exact in fp32, so
-this is bf16(relu(bf16(s)) · bf16(w)) bit for bit). Unpacked, each value costs two single
-`cvt.rn.bf16.f32` (`F2F`, a quarter-rate pipe: a fifth of the scan's warp-stall samples on the
-H200, docs/performance.md §9). The CPU interpreter has no inline asm: RNE (interpreting) takes
-the bit-level rounding instead.
+this is bf16(relu(bf16(s)) · bf16(w)) bit for bit). Unpacked, the PTX rounds one value per
+`cvt.rn.bf16.f32`; ptxas pairs the head terms' roundings itself but shuffles the halves (`PRMT`,
+484 against 381 SASS instructions per head in the scan) and leaves the head sum's roundings
+single (`F2F`, a quarter-rate pipe; docs/performance.md §10). The CPU interpreter has no inline
+asm: RNE (interpreting) takes the bit-level rounding instead.
 """
 
 from __future__ import annotations
