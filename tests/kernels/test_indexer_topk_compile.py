@@ -66,12 +66,8 @@ SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i3
 SCAN_TYPES += ["i32"] * 12
 
 
-@pytest.mark.parametrize(
-    ("member", "block_max", "qat"),
-    [(False, False, False), (False, True, False), (True, False, False)]
-    + [(False, False, True), (False, True, True), (True, False, True)],
-)
-def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool) -> None:
+def _scan_ptx(member: bool, block_max: bool, qat: bool, packed: bool = True) -> str:
+    """sm_90 PTX of the scan kernel at the shipped config and Flash's index shapes."""
     from dsv4cp.kernels import indexer_topk as m
     from dsv4cp.kernels.indexer_topk_scan import scan_kernel
 
@@ -79,10 +75,19 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
     const = dict(
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
         BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, PACKED=True,
+        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, PACKED=packed,
         KEY_BITS=16 if qat else 32,
     )  # fmt: skip
-    ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
+    return _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
+
+
+@pytest.mark.parametrize(
+    ("member", "block_max", "qat"),
+    [(False, False, False), (False, True, False), (True, False, False)]
+    + [(False, False, True), (False, True, True), (True, False, True)],
+)
+def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool) -> None:
+    ptx = _scan_ptx(member, block_max, qat)
     assert "wgmma.mma_async" in ptx
     if qat:  # the bf16 steps two values per instruction; single roundings only for the weights
         assert "mul.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
@@ -92,17 +97,7 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
 def test_scan_qat_unpacked_rounds_one_value_per_instruction() -> None:
     """The control of the packed assertion above: PACKED=False (the A/B knob) rounds each of a
     thread's 64 logits per head one at a time, twice."""
-    from dsv4cp.kernels import indexer_topk as m
-    from dsv4cp.kernels.indexer_topk_scan import scan_kernel
-
-    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
-    const = dict(
-        K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=False, BLOCK_MAX=False,
-        BS=8, DIRECT=True, PREFIX=True, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=True, RNE=False, PACKED=False,
-        KEY_BITS=16,
-    )  # fmt: skip
-    ptx = _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
+    ptx = _scan_ptx(member=False, block_max=False, qat=True, packed=False)
     assert "mul.rn.bf16x2" not in ptx and ptx.count("cvt.rn.bf16.f32") >= 64
 
 

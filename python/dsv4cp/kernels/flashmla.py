@@ -262,7 +262,7 @@ def build_workspace(
     """
     bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
     device = sources[0][1].device
-    kernels = device.type == "cuda" or interpreting()
+    numbering = k_rows if device.type == "cuda" or interpreting() else ops_rows
     kv = torch.empty((max(1, sum(bounds)), d), dtype=dtype, device=device)
     widths = [idx.shape[1] for _, idx, _, _ in sources]
     out = torch.empty((rows.stop - rows.start, sum(widths)), dtype=torch.int32, device=device)
@@ -275,7 +275,7 @@ def build_workspace(
             part.fill_(-1)
             continue
         mark = torch.zeros(n, dtype=torch.int32, device=device)
-        (k_rows if kernels else ops_rows).mark_rows(idx, mark)
+        numbering.mark_rows(idx, mark)
         marked = mark.bool()
         number = torch.cumsum(mark, 0, dtype=torch.int32) - 1  # row → workspace row
         if device.type == "cuda":
@@ -284,7 +284,7 @@ def build_workspace(
         src = torch.full((bound + 1,), -1, dtype=torch.int32, device=device)
         src.scatter_(0, where, torch.arange(n, dtype=torch.int32, device=device))
         _decode(cache, src[:bound], fmt, d, kv[base : base + bound])
-        (k_rows if kernels else ops_rows).remap_rows(idx, number, part, base, bound)
+        numbering.remap_rows(idx, number, part, base, bound)
         base += bound
     return kv, out
 

@@ -18,12 +18,18 @@ BLOCK_T, BLOCK_K = 16, 128
 
 
 @triton.jit
-def _mark_kernel(idx_ptr, mark_ptr, T, K, N, stride_t, BT: tl.constexpr, BK: tl.constexpr):
+def _index_tile(idx_ptr, T, K, N, stride_t, BT: tl.constexpr, BK: tl.constexpr):
+    """This program's [BT, BK] tile of indices: (rows, columns, in bounds, indices, valid)."""
     r = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BK + tl.arange(0, BK)
     m = (r < T)[:, None] & (c < K)[None, :]
     i = tl.load(idx_ptr + r.to(tl.int64)[:, None] * stride_t + c[None, :], mask=m, other=-1)
-    ok = m & (i >= 0) & (i < N)
+    return r, c, m, i, m & (i >= 0) & (i < N)
+
+
+@triton.jit
+def _mark_kernel(idx_ptr, mark_ptr, T, K, N, stride_t, BT: tl.constexpr, BK: tl.constexpr):
+    _, _, _, i, ok = _index_tile(idx_ptr, T, K, N, stride_t, BT, BK)
     tl.store(mark_ptr + i, tl.full([BT, BK], 1, tl.int32), mask=ok)
 
 
@@ -32,11 +38,7 @@ def _remap_kernel(
     idx_ptr, num_ptr, out_ptr, T, K, N, BASE, BOUND, stride_t, stride_o,
     BT: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BK + tl.arange(0, BK)
-    m = (r < T)[:, None] & (c < K)[None, :]
-    i = tl.load(idx_ptr + r.to(tl.int64)[:, None] * stride_t + c[None, :], mask=m, other=-1)
-    ok = m & (i >= 0) & (i < N)
+    r, c, m, i, ok = _index_tile(idx_ptr, T, K, N, stride_t, BT, BK)
     num = tl.load(num_ptr + i, mask=ok, other=BOUND)
     res = tl.where(ok & (num < BOUND), num + BASE, -1)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], res, mask=m)
