@@ -1,5 +1,7 @@
 """Side-stream accounting (CPU, with stand-in streams): no two live owners ever hold the same
-stream, freed streams are reused, and torch's pool running out is a clear error, not a collision."""
+stream, streams of collected owners are reused, and torch's pool running out is a clear error,
+not a collision. The stand-in streams cannot be weak-referenced at all: torch's stream objects
+never run weakref callbacks, so the registry must key a stream's release on its owner."""
 
 from __future__ import annotations
 
@@ -13,10 +15,25 @@ import pytest
 from dsv4cp.side_streams import MODE_ENV, SideStreamError, SideStreamRegistry, _build_registry
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # no __weakref__: a finalizer on the stream raises
 class FakeStream:
     cuda_stream: int
     device: int
+
+
+class Owner:
+    """A runner, executor pool or graph: holds its streams until it is collected."""
+
+    def __init__(self, reg: SideStreamRegistry, device: int = 0, n: int = 1) -> None:
+        self.streams = [reg.acquire(device, self) for _ in range(n)]
+
+    @property
+    def ids(self) -> set[int]:
+        return {s.cuda_stream for s in self.streams}
+
+
+def _ids(owners: list[Owner]) -> set[int]:
+    return set().union(*(o.ids for o in owners))
 
 
 def _pool(size: int):  # noqa: ANN202 - torch's round-robin pool, shared by every caller
@@ -41,48 +58,48 @@ def _external() -> tuple[SideStreamRegistry, list[int]]:
 
 def test_external_streams_are_distinct_and_reused_after_release() -> None:
     reg, made = _external()
-    held = [reg.acquire(0) for _ in range(40)]  # 8 ranks x 5 streams: more than torch's pool
-    assert len({s.cuda_stream for s in held}) == 40 and 99 in {s.cuda_stream for s in held}
+    held = [Owner(reg, n=5) for _ in range(8)]  # 8 ranks x 5 streams: more than torch's pool
+    assert len(_ids(held)) == 40 and 99 in _ids(held)
     assert len(made) == 39 and reg.held(0) == 40
-    gone = held.pop(7).cuda_stream
+    gone = held.pop(3).ids
     gc.collect()
-    assert reg.held(0) == 39
-    again = reg.acquire(0)
-    assert again.cuda_stream == gone and len(made) == 39  # reused, nothing new made
-    assert reg.acquire(1).cuda_stream not in {s.cuda_stream for s in held}  # per device
+    assert reg.held(0) == 35
+    again = Owner(reg, n=5)
+    assert again.ids == gone and len(made) == 39  # reused, nothing new made
+    assert not Owner(reg, device=1).ids & _ids(held)  # per device
 
 
 def test_external_streams_from_many_threads_never_collide() -> None:
     reg, _ = _external()
-    got: list[FakeStream] = []
+    got: list[Owner] = []
     lock = threading.Lock()
 
     def rank() -> None:
-        mine = [reg.acquire(0) for _ in range(5)]
+        mine = Owner(reg, n=5)
         with lock:
-            got.extend(mine)
+            got.append(mine)
 
     threads = [threading.Thread(target=rank) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len({s.cuda_stream for s in got}) == 40
+    assert len(_ids(got)) == 40
 
 
 def test_pool_streams_skip_held_ones_and_run_out_clearly() -> None:
     reg = SideStreamRegistry(None, _pool(32), FakeStream, mode="pool")
     other = _pool(32)  # what torch's pool would give a caller that does not skip
-    held = [reg.acquire(0) for _ in range(30)]
-    assert len({s.cuda_stream for s in held}) == 30
-    more = [reg.acquire(0) for _ in range(2)]
-    assert len({s.cuda_stream for s in held + more}) == 32
+    held = [Owner(reg, n=5) for _ in range(6)]
+    assert len(_ids(held)) == 30
+    more = Owner(reg, n=2)
+    assert len(_ids([*held, more])) == 32
     with pytest.raises(SideStreamError, match=r"all 32 streams of torch's pool on cuda:0 are held"):
-        reg.acquire(0)
+        Owner(reg)
     del more
     gc.collect()
     assert reg.held(0) == 30
-    assert reg.acquire(0).cuda_stream not in {s.cuda_stream for s in held}
+    assert not Owner(reg).ids & _ids(held)
     # without the registry the 33rd draw repeats the first stream: the collision it prevents
     draws = [other(0).cuda_stream for _ in range(33)]
     assert draws[32] == draws[0]
@@ -98,27 +115,37 @@ def test_mode_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_pool_collects_owners_that_are_gone_before_giving_up() -> None:
     reg = SideStreamRegistry(None, _pool(32), FakeStream, mode="pool")
-    held = [reg.acquire(0) for _ in range(31)]
-    cycle: list = [reg.acquire(0)]  # a runner in a reference cycle: freed only by the collector
-    cycle.append(cycle)
+    held = [Owner(reg) for _ in range(31)]
+    cycle = Owner(reg)  # a runner in a reference cycle: freed only by the collector
+    cycle.me = cycle  # type: ignore[attr-defined]
     gc.disable()
     try:
         del cycle
         assert reg.held(0) == 32
-        fresh = reg.acquire(0)  # the registry collects once before it reports exhaustion
+        fresh = Owner(reg)  # the registry collects once before it reports exhaustion
     finally:
         gc.enable()
-    assert fresh.cuda_stream not in {s.cuda_stream for s in held}
+    assert not fresh.ids & _ids(held)
+
+
+def test_a_stream_outliving_its_owner_is_not_held() -> None:
+    # What the owner rule means: the stream object alone keeps nothing held.
+    reg = SideStreamRegistry(None, _pool(32), FakeStream, mode="pool")
+    owner = Owner(reg, n=3)
+    kept = list(owner.streams)
+    del owner
+    gc.collect()
+    assert reg.held(0) == 0 and len(kept) == 3
 
 
 def test_capacity_and_the_up_front_check() -> None:
     pool = SideStreamRegistry(None, _pool(32), FakeStream, mode="pool")
     assert pool.capacity(0) == 32
     pool.reserve_check(0, 32, "--cp 8 (fake) with --multistream")
-    held = [pool.acquire(0) for _ in range(12)]
+    held = Owner(pool, n=12)
     with pytest.raises(SideStreamError, match=r"needs 21 side streams on cuda:0 and torch's pool"):
         pool.reserve_check(0, 21, "--cp 7 (fake) with --multistream")
-    assert pool.held(0) == len(held)  # the check holds nothing
+    assert pool.held(0) == len(held.streams)  # the check holds nothing
     reg, _ = _external()
     assert reg.capacity(0) is None
     reg.reserve_check(0, 10_000, "anything")

@@ -92,7 +92,7 @@ class StreamPool:
 
     def __init__(self, lanes: Iterable[str], device: torch.device) -> None:
         self.device = device
-        self.streams = {lane: side_stream(device) for lane in lanes if lane != DEFAULT}
+        self.streams = {lane: side_stream(device, owner=self) for lane in lanes if lane != DEFAULT}
 
     def get(self, lane: str) -> torch.cuda.Stream:
         if lane == DEFAULT:

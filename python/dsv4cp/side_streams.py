@@ -11,14 +11,21 @@ state during capturing stage" and an abort). Every side stream of dsv4cp (the mu
 - "runtime" / "driver": a new non-blocking stream made with `cudaStreamCreateWithFlags` of the
   CUDA runtime torch loaded, or else `cuStreamCreate` of the driver, wrapped in
   `torch.cuda.ExternalStream`. These streams are never destroyed (torch may still record events
-  on them); once the wrapper handed out is garbage-collected its stream is free for the next
-  caller. Any number of owners can hold one.
+  on them); once their owner is garbage-collected they are free for the next caller. Any number
+  of owners can hold one.
 - "pool" (when neither library is usable, or `DSV4CP_SIDE_STREAMS=pool`): torch's pool, skipping
   streams a live owner holds; when every pool stream is held, `SideStreamError` says so (e.g.
   fake CP 8 with multistream and graphs), before anything is captured.
 
 `DSV4CP_SIDE_STREAMS`: auto (default: runtime, then driver, then pool), external (runtime or
 driver, else an error), pool.
+
+A stream is held until the `owner` named when it was handed out (a `StreamPool`, a
+`GraphRunner`, a `BreakableGraph`) is garbage-collected, not until the stream object is: torch's
+stream objects never run weakref callbacks (measured, torch 2.11 on the H200: a
+`weakref.finalize` on a `torch.cuda.Stream` stays alive after the object is gone), so a
+registry keyed on them never freed a stream (fake CP 4 with multistream and graphs then ran out
+of torch's pool). Invariant: an owner does not pass its stream to anything that outlives it.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ Creator = Callable[[int], int]  # device index → a new raw stream handle
 
 
 class SideStreamRegistry:
-    """Hands out side streams, each held by one owner at a time (the wrapper object returned).
+    """Hands out side streams, each held by one owner at a time (the `owner` given to `acquire`).
 
     `create(device)`: a new raw stream handle (None: only `draw` is available); `draw(device)`:
     the next stream of torch's pool; `wrap(handle, device)`: a stream object for a raw handle;
@@ -76,7 +83,8 @@ class SideStreamRegistry:
         self._held: dict[int, set[int]] = {}
         self._free: dict[int, list[int]] = {d: list(h) for d, h in (spare or {}).items()}
 
-    def acquire(self, device: int) -> Any:
+    def acquire(self, device: int, owner: object) -> Any:
+        """A stream on `device` no live owner holds; it is `owner`'s until `owner` is collected."""
         with self._lock:
             held = self._held.setdefault(device, set())
             if self.create is not None:
@@ -87,7 +95,7 @@ class SideStreamRegistry:
                 stream = self._draw_unheld(device, held)
                 handle = int(stream.cuda_stream)
             held.add(handle)
-            weakref.finalize(stream, self._release, device, handle)
+            weakref.finalize(owner, self._release, device, handle)
             return stream
 
     def capacity(self, device: int) -> int | None:
@@ -246,14 +254,14 @@ def _get_registry() -> SideStreamRegistry:
         return _registry
 
 
-def side_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+def side_stream(device: torch.device | int | None = None, *, owner: object) -> torch.cuda.Stream:
     """A CUDA stream on `device` (default: the current one) that no other live owner holds;
-    it is the caller's until the returned object is garbage-collected."""
+    it is `owner`'s until `owner` is garbage-collected."""
     if isinstance(device, torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
     else:
         index = torch.cuda.current_device() if device is None else int(device)
-    stream: torch.cuda.Stream = _get_registry().acquire(index)
+    stream: torch.cuda.Stream = _get_registry().acquire(index, owner)
     return stream
 
 

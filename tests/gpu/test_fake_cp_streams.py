@@ -6,6 +6,7 @@ pool (DSV4CP_SIDE_STREAMS=pool) CP 8 is refused up front in one line and CP 4 pa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -85,3 +86,20 @@ def _stream_handles(group) -> list[int]:  # noqa: ANN001
 def test_every_rank_has_its_own_streams() -> None:
     handles = [h for rank in run_cp(8, _stream_handles, backend="fake") for h in rank]
     assert len(handles) == 8 * 5 and len(set(handles)) == len(handles)
+
+
+def test_a_dropped_runner_frees_its_streams() -> None:
+    # torch's stream objects never run weakref callbacks: the registry releases on the owner.
+    from dsv4cp.cp.group import SingleCPGroup
+    from dsv4cp.side_streams import _get_registry
+
+    reg, dev = _get_registry(), torch.cuda.current_device()
+    before = reg.held(dev)
+    model = DeepseekV41Model(DeepseekV41Config.tiny(), device="cuda", seed=0)
+    gcfg = GraphConfig(buckets=(16,), max_requests=2, max_context=64)
+    runner = PrefillRunner(model, cp=SingleCPGroup(), multistream=True, num_slots=512, graphs=gcfg)
+    assert runner.executors.streams is not None
+    assert reg.held(dev) == before + len(runner.executors.streams.streams) + 1  # + capture
+    del runner
+    gc.collect()
+    assert reg.held(dev) == before

@@ -82,7 +82,7 @@ class BreakableGraph:
     def capture(self, fn: Callable[[], Any]) -> Any:
         if in_capture():
             raise GraphBreakError("nested BreakableGraph capture")
-        stream = self.stream = self.stream or side_stream()
+        stream = self.stream = self.stream or side_stream(owner=self)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             _state.graph = self

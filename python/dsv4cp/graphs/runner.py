@@ -200,7 +200,7 @@ class GraphRunner:
     ) -> list[BucketReport]:
         pool = None
         # One capture stream for every bucket of this runner, held by no other rank or graph.
-        self.capture_stream = side_stream()
+        self.capture_stream = side_stream(owner=self)
         for bucket in sorted(set(self.config.buckets), reverse=True):
             static = make_static(bucket)
             barrier()
