@@ -6,7 +6,9 @@ Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (s
 with sink; FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA
 store and the ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries,
 previous config vs default), workspace (FlashMLA's bf16 workspace over the caches: the rows'
-numbering by the Triton `workspace_rows` kernels against their torch twins, the same decode).
+numbering by the Triton `workspace_rows` kernels against their torch twins, the same decode),
+writers (the layer's SWA rows, compressor and index keys, qat: the previous chain against the
+fused writers that quantize and encode in their pass).
 Every kernel row also records its max |kernel − twin|.
 Compute rows give TFLOP/s and the fraction of the measured bf16 GEMM rate and of 790 TFLOP/s;
 memory rows give GB/s over the bytes each op must move and the fraction of the measured copy rate
@@ -31,7 +33,7 @@ from benchmarks import benchutil  # noqa: E402
 from dsv4cp import ops, routing  # noqa: E402
 from dsv4cp.kernels.attention import attention_flops  # noqa: E402
 from dsv4cp.kernels.attention import launch_sparse_attention as attn_kernel  # noqa: E402
-from dsv4cp.kernels.compressor import compress_store, index_key  # noqa: E402
+from dsv4cp.kernels.compressor import compress_entries, index_key  # noqa: E402
 from dsv4cp.kernels.indexer_logits import launch_mqa_logits as mqa_kernel  # noqa: E402
 from dsv4cp.kernels.norm_rope import norm_rope_rows  # noqa: E402
 from dsv4cp.kernels.swa import store_swa_k  # noqa: E402
@@ -528,56 +530,41 @@ def _rope_configs(
 
 
 def _compress_case(n: int, d: int, dr: int, wgt: torch.Tensor) -> None:
-    kv, g, pkv, pg = (torch.randn(n, d, device=DEV) for _ in range(4))
+    comp = torch.randn(n, 2 * d, device=DEV)
+    state = (torch.randn(n, d, device=DEV), torch.randn(n, d, device=DEV))
     pos = torch.arange(n, device=DEV) * 2
+    rows = torch.arange(n, device=DEV)
+    read = torch.where(rows == 0, 1, -1)
+    write = torch.where(rows % 2 == 0, rows, -1)
     slots = torch.randperm(2 * n, device=DEV)[:n]
     cache = torch.zeros(2 * n, d, device=DEV, dtype=torch.bfloat16)
+    ref = cache.clone()
     shape = f"n={n} D={d} rope={dr}"
+    args = (read, write, wgt, 1e-20, torch.bfloat16, pos, slots)
+    nbytes = 4.0 * n * d * 2 + 2.0 * n * d * 2 + 4.0 * n * d + 24.0 * n
 
     def twin_r2() -> torch.Tensor:
-        lat = ops.compressed_latent(ops.pair_pool(kv, g, pkv, pg), wgt, 1e-20, torch.bfloat16)
-        cache.index_copy_(0, slots, ops.compressed_key(lat, pos, dr, 160000.0, YARN))
-        return lat
+        return ops.compress_entries(comp, state, *args, ref, "dense", dr, 160000.0, YARN)
 
-    ref_lat = twin_r2()
-    ref_cache = cache.clone()
-    nbytes = 4.0 * n * d * 4 + 2.0 * n * d * 2 + 16.0 * n
+    def fused_r2() -> torch.Tensor:
+        return compress_entries(comp, state, *args, cache, "dense", dr, 160000.0, YARN)
+
+    ref_lat, lat = twin_r2(), fused_r2()
     _row("compress2", "ops twin", shape, "fp32->bf16", _ms(twin_r2), nbytes=nbytes)
-    lat = compress_store(kv, g, pkv, pg, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN)
-    _row(
-        "compress2",
-        "triton fused",
-        shape,
-        "fp32->bf16",
-        _ms(
-            lambda: compress_store(
-                kv, g, pkv, pg, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN
-            )
-        ),
-        nbytes=nbytes,
-        maxdiff=max(_maxdiff(lat, ref_lat), _maxdiff(cache, ref_cache)),
-    )
-    kvb = kv.bfloat16()
+    _row("compress2", "triton fused", shape, "fp32->bf16", _ms(fused_r2), nbytes=nbytes,
+         maxdiff=max(_maxdiff(lat, ref_lat), _maxdiff(cache, ref)))  # fmt: skip
+    kvb = comp[:, :d].bfloat16()
     nbytes1 = 2.0 * n * d + 2.0 * n * d * 2 + 16.0 * n
+    args1 = (None, None, None, wgt, 1e-20, torch.bfloat16, pos, slots)
 
     def twin_r1() -> torch.Tensor:
-        lat = ops.compressed_latent(kvb, wgt, 1e-20, torch.bfloat16)
-        cache.index_copy_(0, slots, ops.compressed_key(lat, pos, dr, 160000.0, YARN))
-        return lat
+        return ops.compress_entries(kvb, *args1, ref, "dense", dr, 160000.0, YARN)
+
+    def fused_r1() -> torch.Tensor:
+        return compress_entries(kvb, *args1, cache, "dense", dr, 160000.0, YARN)
 
     _row("compress1", "ops twin", shape, "bf16", _ms(twin_r1), nbytes=nbytes1)
-    _row(
-        "compress1",
-        "triton fused",
-        shape,
-        "bf16",
-        _ms(
-            lambda: compress_store(
-                kvb, None, None, None, pos, slots, cache, wgt, 1e-20, dr, 160000.0, YARN
-            )
-        ),
-        nbytes=nbytes1,
-    )
+    _row("compress1", "triton fused", shape, "bf16", _ms(fused_r1), nbytes=nbytes1)
     wk = (torch.randn(128, d, device=DEV) / 20).bfloat16()
     kn = torch.rand(128, device=DEV) + 0.5
     latb = lat.contiguous()
@@ -600,6 +587,123 @@ def _compress_case(n: int, d: int, dr: int, wgt: torch.Tensor) -> None:
     )
 
 
+def bench_writers() -> None:
+    """The layer's cache writers at Flash shapes, qat (16K gathered rows, D 512, rope 64, index
+    keys 128): the chain the layer ran before the fused writers (the row kernels one step each,
+    torch's quantizers and stores, pair partners by cat / gather / where, non-emitting rows into
+    the dummy row) against `swa_key_rows`, `compress_entries` + `store_index_keys`. Both write
+    the same cache rows. `codes_equal` is the share of emitted rows with identical bytes,
+    `values_equal` the share whose decoded values are identical: the previous SWA chain
+    quantized the fake-fp8 key a second time, which halves a block's scale (and doubles its
+    codes) where the block's top code had rounded to 224, so its bytes differ, not its values."""
+    from dsv4cp.kernels import compressor as kc
+    from dsv4cp.kernels import swa as ks
+    from dsv4cp.ops.kv_format import decode_rows, encode_rows, row_width
+
+    t, d, dr, di = _pick((16384, 512, 64, 128), (12, 64, 16, 32))
+    bf, u8 = torch.bfloat16, torch.uint8
+    x = torch.randn(t, d, device=DEV).bfloat16()
+    pos = torch.arange(t, device=DEV) + 4096
+    w = (torch.rand(d, device=DEV) + 0.5).bfloat16()
+    swa_prev = lambda: encode_rows(  # noqa: E731
+        ks.swa_key(x, pos, w, 1e-6, dr, 1e4, YARN, bf, "qat"), "fp8_ue8m0_32", dense_dtype=bf
+    )
+    swa_new = lambda: ks.swa_key_rows(  # noqa: E731
+        x, pos, w, 1e-6, dr, 1e4, YARN, "qat", "fp8_ue8m0_32", u8
+    )
+    a, b = swa_prev(), swa_new()
+    same = (a == b).all(1).float().mean().item()
+    fmt = "fp8_ue8m0_32"
+    values = (decode_rows(a, fmt, d) == decode_rows(b, fmt, d)).all(1).float().mean().item()
+    shape = f"T={t} D={d} rope={dr}"
+    nbytes = 2.0 * t * d + t * row_width("fp8_ue8m0_32", d)
+    prev_ms, new_ms = _ms(swa_prev), _ms(swa_new)
+    _row("swa_rows", "previous: kernel + torch encode", shape, "bf16->fp8", prev_ms, nbytes=nbytes)
+    _row("swa_rows", "fused encode (shipped)", shape, "bf16->fp8", new_ms, nbytes=nbytes,
+         previous_over_this=prev_ms / new_ms, codes_equal=same, values_equal=values)  # fmt: skip
+    for ratio in (2, 1):
+        _writers_case(ratio, t, d, dr, di, kc)
+
+
+def _writers_case(ratio: int, t: int, d: int, dr: int, di: int, kc: Any) -> None:
+    from dsv4cp.ops.kv_format import decode_rows, encode_rows, row_width
+
+    bf = torch.bfloat16
+    cf, xf = "fp4_e4m3_16", "fp4_ue8m0_32"
+    rows = torch.arange(t, device=DEV)
+    pos = rows + 4096  # one request's chunk at 4096: row 0 is its first token (even)
+    w = (torch.rand(d, device=DEV) + 0.5).bfloat16()
+    wk = (torch.randn(di, d, device=DEV) / 20).bfloat16()
+    kn = (torch.rand(di, device=DEV) + 0.5).bfloat16()
+    n_ent = t // ratio + 8
+    emits = (pos + 1) % ratio == 0
+    emit = torch.where(emits, (pos + 1) // ratio - 1 - 4096 // ratio + 1, -1)  # row 0: dummy
+    emit_dummy = emit.clamp(min=0)
+    entry_pos = ((pos + 1) // ratio - 1).clamp(min=0) * ratio
+    if ratio == 2:
+        comp = torch.randn(t, 2 * d, device=DEV)
+        state = (torch.randn(t + 1, d, device=DEV), torch.randn(t + 1, d, device=DEV))
+        read = torch.where(rows == 0, t, -1)
+        write = torch.where(pos % 2 == 0, rows + 1, -1)  # state row 0: the dummy
+        first = (rows == 0)[:, None]
+    else:
+        comp = torch.randn(t, d, device=DEV).bfloat16()
+    caches = [
+        (torch.zeros(n_ent, row_width(cf, d), device=DEV, dtype=torch.uint8),
+         torch.zeros(n_ent, row_width(xf, di), device=DEV, dtype=torch.uint8))
+        for _ in range(2)
+    ]  # fmt: skip
+
+    def previous() -> None:
+        ccache, icache = caches[0]
+        if ratio == 2:
+            kv, gate = comp[:, :d], comp[:, d:]
+            rd = read.clamp(min=0)
+            partner_kv = torch.where(first, state[0][rd], torch.cat([kv[:1], kv[:-1]]))
+            partner_gate = torch.where(first, state[1][rd], torch.cat([gate[:1], gate[:-1]]))
+            pooled = kc.pair_pool(kv, gate, partner_kv, partner_gate)
+            state[0][write.clamp(min=0)] = kv
+            state[1][write.clamp(min=0)] = gate
+        else:
+            pooled = comp
+        lat = kc.compressed_latent(pooled, w, 1e-6, bf)
+        key = kc.compressed_key(lat, entry_pos, dr, 1e4, YARN)
+        ccache[emit_dummy] = encode_rows(key, cf, dense_dtype=bf)
+        ikey = kc.index_key(lat, wk, kn, 1e-6, entry_pos, dr, 1e4, YARN)
+        icache[emit_dummy] = encode_rows(ikey, xf, dense_dtype=bf)
+
+    def fused() -> None:
+        ccache, icache = caches[1]
+        st = state if ratio == 2 else None
+        rd, wr = (read, write) if ratio == 2 else (None, None)
+        lat = kc.compress_entries(comp, st, rd, wr, w, 1e-6, bf, entry_pos, emit, ccache, cf,
+                                  dr, 1e4, YARN)  # fmt: skip
+        kc.store_index_keys(lat, wk, kn, 1e-6, entry_pos, emit, icache, xf, dr, 1e4, YARN)
+
+    previous()
+    fused()
+    live = emit[emit > 0]
+    same = min(
+        (caches[0][k][live] == caches[1][k][live]).all(1).float().mean().item() for k in (0, 1)
+    )
+    values = min(
+        (decode_rows(caches[0][k][live], f, n) == decode_rows(caches[1][k][live], f, n))
+        .all(1)
+        .float()
+        .mean()
+        .item()
+        for k, f, n in ((0, cf, d), (1, xf, di))
+    )
+    shape = f"ratio {ratio} T={t} D={d}->{di} rope={dr}"
+    nbytes = comp.numel() * comp.element_size() + (t // ratio) * (
+        row_width(cf, d) + row_width(xf, di)
+    )
+    prev_ms, new_ms = _ms(previous), _ms(fused)
+    _row("compressor", "previous chain", shape, "qat", prev_ms, nbytes=nbytes)
+    _row("compressor", "fused writers (shipped)", shape, "qat", new_ms, nbytes=nbytes,
+         previous_over_this=prev_ms / new_ms, codes_equal=same, values_equal=values)  # fmt: skip
+
+
 SECTIONS = {
     "ceilings": lambda a: bench_ceilings(),
     "mqa": lambda a: bench_mqa(a.sweep),
@@ -608,6 +712,7 @@ SECTIONS = {
     "rows": lambda a: bench_rows(),
     "rope": lambda a: bench_rope(),
     "workspace": lambda a: bench_workspace(),
+    "writers": lambda a: bench_writers(),
 }
 
 

@@ -180,10 +180,9 @@ def test_pair_rows_windowed_and_per_slot() -> None:
         tok = _meta(batch, cache, [15, 16, 17, 18, 30, 31, 32])
         read, write = cache.pair_read_rows(tok).tolist(), cache.pair_write_rows(tok).tolist()
         if windowed:  # a: starts at 5 (odd) → its row; ends at 9 (odd): position 8 writes
-            d = cache.pair_dummy_row
-            assert read == [2, d, d, d, d, d, d] and write == [d, d, d, 2, d, d, 0]
-        else:  # the partner's slot; every even token writes its slot
-            assert read == [14, 0, 0, 0, 0, 0, 0] and write == [0, 16, 0, 18, 30, 0, 32]
+            assert read == [2, -1, -1, -1, -1, -1, -1] and write == [-1, -1, -1, 2, -1, -1, 0]
+        else:  # the partner's slot; every even token writes its slot; −1: none
+            assert read == [14, -1, -1, -1, -1, -1, -1] and write == [-1, 16, -1, 18, 30, -1, 32]
 
 
 @pytest.mark.parametrize("page", [1, 2])
@@ -204,8 +203,8 @@ def test_pair_rows_on_swa_slots_halve_at_an_even_page_size(page: int) -> None:
     tok = _meta(batch, cache, [15, 16, 17, 18, 30, 31, 32])
     read, write = cache.pair_read_rows(tok).tolist(), cache.pair_write_rows(tok).tolist()
     # a reads its partner 4 (SWA slot 8); 6, 8 of a and 0, 2 of b write (SWA 10, 12, 14, 16)
-    assert read == [8 // page, 0, 0, 0, 0, 0, 0]
-    assert write == [0, 10 // page, 0, 12 // page, 14 // page, 0, 16 // page]
+    assert read == [8 // page, -1, -1, -1, -1, -1, -1]
+    assert write == [-1, 10 // page, -1, 12 // page, 14 // page, -1, 16 // page]
 
 
 def test_meta_device_cache_and_its_views() -> None:

@@ -125,9 +125,9 @@ class TokenMeta:
         return torch.where(entries >= 0, self.slot_of(pos), -1)
 
     def emit_slots(self, ratio: int) -> Tensor:
-        """Rows that complete a block write entry ⌊(p+1)/r⌋−1 at their own slot; others → dummy."""
+        """Rows that complete a block write entry ⌊(p+1)/r⌋−1 at their own slot; others −1."""
         emits = ((self.positions + 1) % ratio == 0) & self.valid
-        return torch.where(emits, self.slots, 0)
+        return torch.where(emits, self.slots, -1)
 
     def entry_positions(self, ratio: int) -> Tensor:
         """RoPE position of the entry a row emits: the first token of its block."""

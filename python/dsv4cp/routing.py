@@ -46,6 +46,10 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),
     "swa_key": (ops.swa_key, "dsv4cp.kernels.swa"),
     "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.swa"),
+    # the layer's SWA rows, compressor and index keys: quantized and encoded in the pass
+    "swa_key_rows": (ops.swa_key_rows, "dsv4cp.kernels.swa"),
+    "compress_entries": (ops.compress_entries, "dsv4cp.kernels.compressor"),
+    "store_index_keys": (ops.store_index_keys, "dsv4cp.kernels.compressor"),
     "pair_pool": (ops.pair_pool, "dsv4cp.kernels.compressor"),
     "compressed_latent": (ops.compressed_latent, "dsv4cp.kernels.compressor"),
     "compressed_key": (ops.compressed_key, "dsv4cp.kernels.compressor"),
@@ -144,6 +148,9 @@ sparse_attention = _route("sparse_attention")
 sparse_attention_cached = _route("sparse_attention_cached")
 swa_key = _route("swa_key")
 store_swa_k = _route("store_swa_k")
+swa_key_rows = _route("swa_key_rows")
+compress_entries = _route("compress_entries")
+store_index_keys = _route("store_index_keys")
 pair_pool = _route("pair_pool")
 compressed_latent = _route("compressed_latent")
 compressed_key = _route("compressed_key")
@@ -171,6 +178,7 @@ __all__ = [
     "ROUTES",
     "apply_rope",
     "candidate_blocks",
+    "compress_entries",
     "compressed_key",
     "compressed_latent",
     "dequant_fp4",
@@ -203,8 +211,10 @@ __all__ = [
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",
+    "store_index_keys",
     "store_swa_k",
     "swa_key",
+    "swa_key_rows",
     "topk_among_blocks",
     "topk_indices",
     "use_kernels",

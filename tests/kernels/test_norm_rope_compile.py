@@ -17,16 +17,16 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i64", "*i64", "*bf16", "*bf16"]
+TYPES = ["*bf16"] * 4 + ["*fp32", "*i64", "*fp32", "*i64", "*i64", "*bf16", "*bf16"]
 TYPES += ["i32", "i32", "i32", "fp32"] + ["i32"] * 6
 BASE = dict(
-    POOL=False, ROUND_IN=False, NORM=False, HAS_W=False, ROUND_MID=False, ROPE=True,
-    INVERSE=False, HAS_SLOTS=False, WRITE_MID=False, QUANT=0, QBLOCK=16, BLOCK_T=8, BLOCK_D=64,
-    BLOCK_R=32, PRECISE=True, EMULATE=False,
+    POOL=False, POOL_ROWS=False, ROUND_IN=False, NORM=False, HAS_W=False, ROUND_MID=False,
+    ROPE=True, INVERSE=False, HAS_SLOTS=False, WRITE_MID=False, QUANT=0, QBLOCK=16,
+    ENCODE=False, BLOCK_T=8, BLOCK_D=64, BLOCK_R=32, PRECISE=True, EMULATE=False,
 )  # fmt: skip
 
 
-def _ptx(const: dict[str, Any], warps: int) -> str:
+def _ptx(const: dict[str, Any], warps: int, types: list[str] = TYPES) -> str:
     pytest.importorskip("triton")
     import triton.language as tl
 
@@ -36,10 +36,10 @@ def _ptx(const: dict[str, Any], warps: int) -> str:
     const = {**BASE, "RDT": tl.bfloat16, **const}
     hinted = [
         name
-        for name in fn.arg_names[: len(TYPES)]
+        for name in fn.arg_names[: len(types)]
         if name.endswith("_ptr") or name.startswith("stride") or name in ("T", "D", "ROPE0")
     ]
-    return _compile(fn, TYPES, const, warps, 1, divisible=hinted)
+    return _compile(fn, types, const, warps, 1, divisible=hinted)
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,29 @@ def test_rope_rows_move_as_vectors(what: str, const: dict[str, Any], warps: int)
     assert not narrow, f"{what}: {len(narrow)} 2-byte global accesses"
     assert re.search(r"ld\.global(?:\.nc)?\.v4\.b32", ptx), f"{what}: no 16-byte loads"
     assert re.search(r"st\.global\.v4\.b32", ptx), f"{what}: no 16-byte stores"
+
+
+@pytest.mark.parametrize(
+    ("what", "quant", "block_d", "block_t", "warps", "codes"),
+    [
+        ("swa key, fp8 codes", "fp8", 512, 8, 4, r"st\.global\.v4\.b32"),
+        ("compressed key, fp4 + e4m3", "fp4_e4m3", 512, 8, 4, r"st\.global\.v2\.b32"),
+    ],
+)
+def test_encoded_codes_move_as_vectors(
+    what: str, quant: str, block_d: int, block_t: int, warps: int, codes: str
+) -> None:
+    """The encoded rows (uint8; `kv_encode.store_encoded`): the codes leave as vectors, only the
+    scale bytes (one per block) as single bytes."""
+    from dsv4cp.kernels.fake_quant import FAKE_QUANTS
+
+    q, qblock = FAKE_QUANTS[quant]
+    const = dict(
+        NORM=True, HAS_W=True, ROUND_MID=True, HAS_SLOTS=True, BLOCK_D=block_d,
+        BLOCK_T=block_t, QUANT=q, QBLOCK=qblock, ENCODE=True,
+    )  # fmt: skip
+    types = list(TYPES)
+    types[9] = "*u8"  # out: the cache's rows
+    ptx = _ptx(const, warps, types)
+    assert re.search(codes, ptx), f"{what}: codes not stored as vectors"
+    assert len(re.findall(r"st\.global\.b8", ptx)) <= 2, f"{what}: byte-wise stores"

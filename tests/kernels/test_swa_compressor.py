@@ -8,14 +8,18 @@ value across a bf16 rounding boundary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from dsv4cp import ops
 from dsv4cp.kernels import compressor as kc
+from dsv4cp.kernels import swa as ks
 from dsv4cp.kernels.norm import rms_norm
 from dsv4cp.kernels.rope import rope_index_queries
 from dsv4cp.kernels.swa import store_swa_k, swa_key
+from dsv4cp.ops.kv_format import decode_rows, row_width
 from dsv4cp.ops.rope import YarnScaling
 
 pytestmark = [
@@ -62,14 +66,24 @@ def test_compressor_ratio2(n: int, d: int, dr: int) -> None:
     _close(kc.compressed_latent(pooled, w, 1e-20, torch.bfloat16), lat)
     key = ops.compressed_key(lat, pos, dr, 160000.0, YARN)
     _close(kc.compressed_key(lat, pos, dr, 160000.0, YARN), key)
-    slots = torch.randperm(2 * n, device="cuda")[:n]
-    cache = torch.zeros(2 * n, d, device="cuda", dtype=torch.bfloat16)
-    latent = kc.compress_store(kv, g, pkv, pg, pos, slots, cache, w, 1e-20, dr, 160000.0, YARN)
-    _close(latent, lat)
-    _close(cache[slots], key)
-    untouched = torch.ones(2 * n, dtype=torch.bool, device="cuda")
-    untouched[slots] = False
-    assert torch.all(cache[untouched] == 0)
+    # the layer's fused pass: partners from the row above, and from the state for rows 0 and 3
+    comp = torch.cat([kv, g], 1)
+    state = (torch.randn(n + 5, d, device="cuda"), torch.randn(n + 5, d, device="cuda"))
+    state2 = (state[0].clone(), state[1].clone())
+    read = torch.full((n,), -1, device="cuda")
+    read[0], read[3 % n] = n + 4, 2
+    write = torch.where(torch.arange(n, device="cuda") % 2 == 0, torch.arange(n, device="cuda"), -1)
+    # row 3 reads state row 2, which row 2 writes: the write lands after every read
+    emit = torch.randperm(2 * n, device="cuda")[:n]
+    emit[1::3] = -1
+    c1 = torch.zeros(2 * n, d, device="cuda", dtype=torch.bfloat16)
+    c2 = c1.clone()
+    args = (read, write, w, 1e-20, torch.bfloat16, pos, emit)
+    latent = kc.compress_entries(comp, state, *args, c1, "dense", dr, 160000.0, YARN)
+    want = ops.compress_entries(comp, state2, *args, c2, "dense", dr, 160000.0, YARN)
+    _close(latent, want)
+    _close(c1, c2)
+    assert torch.equal(state[0], state2[0]) and torch.equal(state[1], state2[1])
 
 
 def test_compressor_ratio1_and_index_key() -> None:
@@ -79,9 +93,8 @@ def test_compressor_ratio1_and_index_key() -> None:
     pos = torch.arange(n, device="cuda") + 5000
     slots = torch.randperm(n + 10, device="cuda")[:n]
     cache = torch.zeros(n + 10, d, device="cuda", dtype=torch.bfloat16)
-    latent = kc.compress_store(
-        kv, None, None, None, pos, slots, cache, w, 1e-20, dr, 160000.0, YARN
-    )
+    args = (None, None, None, w, 1e-20, torch.bfloat16, pos, slots, cache, "dense")
+    latent = kc.compress_entries(kv, *args, dr, 160000.0, YARN)
     want = ops.compressed_latent(kv, w, 1e-20, torch.bfloat16)
     _close(latent, want)
     _close(cache[slots], ops.compressed_key(latent, pos, dr, 160000.0, YARN))
@@ -158,3 +171,57 @@ def test_rms_norm(t: int, d: int) -> None:
     _close(rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
     _close(rms_norm(x, None, 1e-6), ops.rms_norm(x, None, 1e-6))
     assert torch.equal(rms_norm(x[5:9], w, 1e-6), rms_norm(x, w, 1e-6)[5:9])  # row-local
+
+
+# ---------------------------------------------------------------- the caches' encoded rows
+# Bit for bit: the codes the kernel stores decode to the fake-quant values the same kernel stores
+# into a dense (`store_values`) cache; against the twins, as `_quant_close` above.
+
+
+def _encoded_pair(write: Any, fmt: str, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = torch.zeros(n, row_width(fmt, d), device="cuda", dtype=torch.uint8)
+    dense = torch.zeros(n, d, device="cuda", dtype=torch.bfloat16)
+    write(enc)
+    write(dense)
+    return enc, dense
+
+
+@pytest.mark.parametrize(("n", "d", "dr", "di"), [(4099, 512, 64, 128), (37, 64, 16, 32)])
+def test_encoded_rows_decode_to_the_fake_quant(n: int, d: int, dr: int, di: int) -> None:
+    x = (torch.randn(n, d, device="cuda") * 3).bfloat16()
+    pos = torch.randint(0, 1 << 20, (n,), device="cuda")
+    w = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+    fmt = "fp8_ue8m0_32"
+    enc = ks.swa_key_rows(x, pos, w, 1e-20, dr, 1e4, YARN, "qat", fmt, torch.uint8)
+    dense = ks.swa_key_rows(x, pos, w, 1e-20, dr, 1e4, YARN, "qat", fmt, torch.bfloat16)
+    assert torch.equal(decode_rows(enc, fmt, d).bfloat16(), dense)
+    want = ops.swa_key_rows(x, pos, w, 1e-20, dr, 1e4, YARN, "qat", fmt, torch.uint8)
+    _quant_close(decode_rows(enc, fmt, d), decode_rows(want, fmt, d), 32, FP8_STEP)
+
+    emit = torch.randperm(n + 7, device="cuda")[:n]
+    emit[::5] = -1
+    fmt = "fp4_e4m3_16"
+
+    def entries(cache: torch.Tensor) -> None:
+        args = (None, None, None, w, 1e-20, torch.bfloat16, pos, emit, cache, fmt)
+        kc.compress_entries(x, *args, dr, 1e4, YARN)
+
+    enc, dense = _encoded_pair(entries, fmt, n + 7, d)
+    assert torch.equal(decode_rows(enc, fmt, d).bfloat16(), dense)
+    twin = torch.zeros_like(enc)
+    args = (None, None, None, w, 1e-20, torch.bfloat16, pos, emit, twin, fmt)
+    ops.compress_entries(x, *args, dr, 1e4, YARN)
+    _quant_close(decode_rows(enc, fmt, d), decode_rows(twin, fmt, d), 16, FP4_STEP)
+
+    fmt = "fp4_ue8m0_32"
+    wk = (torch.randn(di, d, device="cuda") / 20).bfloat16()
+    kn = (torch.rand(di, device="cuda") + 0.5).bfloat16()
+
+    def index(cache: torch.Tensor) -> None:
+        kc.store_index_keys(x, wk, kn, 1e-20, pos, emit, cache, fmt, dr, 1e4, YARN)
+
+    enc, dense = _encoded_pair(index, fmt, n + 7, di)
+    assert torch.equal(decode_rows(enc, fmt, di).bfloat16(), dense)
+    twin = torch.zeros_like(enc)
+    ops.store_index_keys(x, wk, kn, 1e-20, pos, emit, twin, fmt, dr, 1e4, YARN)
+    _quant_close(decode_rows(enc, fmt, di), decode_rows(twin, fmt, di), 32, FP4_STEP)

@@ -220,7 +220,9 @@ def test_a_broken_pair_read_changes_the_hidden_rows() -> None:
     hybrid.cache_for(alloc.num_slots, 4, alloc.req_to_token, alloc.swa_pool())
     cache = hybrid.cache
     assert cache is not None and cache.pair_div == 2
-    cache.pair_read_rows = lambda tok: torch.zeros_like(tok.positions)  # type: ignore[method-assign]
+    read = cache.pair_read_rows
+    # the partner lost: the rows that read the pair state read the dummy row 0 instead
+    cache.pair_read_rows = lambda tok: read(tok).clamp(max=0)  # type: ignore[method-assign]
     _, equal = _run_steps(model, alloc, hybrid)
     # STEPS 0 and 1 start at even positions (0, 40, 0); 2 at odd ones (65, 9)
     assert equal[:2] == [True, True] and not equal[2]

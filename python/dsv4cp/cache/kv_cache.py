@@ -40,7 +40,14 @@ import torch
 from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.ops.kv_format import KVFormat, decode_rows, encode_rows, row_bytes, row_width
+from dsv4cp.ops.kv_format import (
+    KVFormat,
+    decode_rows,
+    row_bytes,
+    row_width,
+    storage_dtype,
+    stored_rows,
+)
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 if TYPE_CHECKING:
@@ -228,21 +235,22 @@ class KVCache:
 
     def pair_read_rows(self, tok: TokenMeta) -> Tensor:
         """Where the first new token of a forward starting at an odd position finds its even
-        partner; other rows read the dummy row (their value is not used)."""
+        partner; −1 for other rows (their partner is the row above)."""
         first = tok.pair_partner_from_state() & (tok.positions % 2 == 1)
         if self.windowed:
-            return torch.where(first, tok.req_row, self.pair_dummy_row)
-        return self._pair_rows(torch.where(first, tok.slot_of(tok.positions - 1), 0))
+            return torch.where(first, tok.req_row, -1)
+        rows = self._pair_rows(torch.where(first, tok.slot_of(tok.positions - 1), 0))
+        return torch.where(first, rows, -1)
 
     def pair_write_rows(self, tok: TokenMeta) -> Tensor:
         """Windowed: the request's last token, when it is even (a later forward starts at its
         odd partner), writes the request's pending row. Otherwise every even token writes its
-        slot: another request sharing a prefix of odd length may start at its partner."""
+        slot: another request sharing a prefix of odd length may start at its partner. −1: the
+        row writes nothing."""
         even = (tok.positions % 2 == 0) & tok.valid
         if self.windowed:
-            last = even & (tok.positions == tok.end - 1)
-            return torch.where(last, tok.req_row, self.pair_dummy_row)
-        return self._pair_rows(torch.where(even, tok.slots, 0))
+            return torch.where(even & (tok.positions == tok.end - 1), tok.req_row, -1)
+        return torch.where(even, self._pair_rows(torch.where(even, tok.slots, 0)), -1)
 
     def _pair_rows(self, slots: Tensor) -> Tensor:
         """Slot-indexed pair rows: the slot itself, or its SWA slot (`swa_slots` mode; a slot
@@ -261,11 +269,11 @@ class KVCache:
     def encode(self, kind: CacheKind, x: Tensor) -> Tensor:
         """Key rows [n, dim] as this cache stores them (quantized, or their dequantized values
         in the cache dtype when values are stored)."""
-        fmt = self.numerics.of(kind)
-        rows = encode_rows(x, fmt, dense_dtype=self.dtype)
-        if self.formats.of(kind) == "dense" and fmt != "dense":
-            return decode_rows(rows, fmt, x.shape[-1]).to(self.dtype)
-        return rows
+        return stored_rows(x, self.numerics.of(kind), self.stored_dtype(kind))
+
+    def stored_dtype(self, kind: CacheKind) -> torch.dtype:
+        """The dtype of the kind's cache tensors: uint8 when they hold codes, else the dtype."""
+        return storage_dtype(self.formats.of(kind), self.dtype)
 
     def decode(self, kind: CacheKind, rows: Tensor) -> Tensor:
         return decode_rows(rows, self.formats.of(kind), self.dims()[kind])

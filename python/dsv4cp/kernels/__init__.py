@@ -9,8 +9,11 @@ and `index_score`), `attention` (the Triton sparse_attention and sparse_attentio
 `flashmla` (sparse_attention and sparse_attention_cached: FlashMLA's sparse prefill where
 installed and the shape fits — over a bounded bf16 workspace for the caches — else
 `attention`), `norm_rope` (the shared fused norm/RoPE row kernel, with `fake_quant` and
-`precise_math`), `swa` (swa_key, store_swa_k) and `rope` (rope_index_queries, rope_tail_) on it,
-`compressor` (pair_pool, compressed_latent, compressed_key, index_key, the fused compress_store),
+`precise_math`), `swa` (swa_key, swa_key_rows, store_swa_k) and `rope` (rope_index_queries,
+rope_tail_) on it,
+`compressor` (pair_pool, compressed_latent, compressed_key, index_key; the layer's fused
+writers compress_entries and store_index_keys), `kv_encode` (the jit quantizers and byte
+stores that write cache rows as codes + scales from inside `norm_rope`),
 `sinkhorn` (sinkhorn_split: mHC's pre / post / Sinkhorn comb in one launch);
 `_triton`, `kv_decode` hold what they share. `launch_*` functions take tuning knobs
 (benchmarks, tests) on top of the twin's signature.

@@ -1,21 +1,30 @@
-"""V4.1 ratio-1/2 compressor tail (attention-math §5.2) on the fused norm/RoPE row kernel.
+"""V4.1 ratio-1/2 compressor (attention-math §5.2) on the fused norm/RoPE row kernel.
 
-compress_store does pair pool (ratio 2) → round to the cache dtype → RMSNorm → round (the latent
-L, also returned) → RoPE at the entry position → write the compressed key at its cache slot, in
-one pass. The ops-shaped twins below run single steps of the same kernel. index_key keeps its
-GEMM in torch (cuBLAS) and fuses the norm and RoPE after it. Under quant="qat" compressed_key and
-index_key also round the RoPE output and fake-quantize the row (fp4 / e4m3 per 16, fp4 / ue8m0
-per 32) in the same pass; compress_store has no quant step (not on the layer's path).
+The layer's path is two launches and a GEMM: `compress_entries` pools each row with its partner
+(the pair state's row or the row above, read in the kernel) → rounds to the latent dtype →
+RMSNorm → rounds (the latent L, returned) → RoPE at the entry position → stores the compressed
+key at its cache row as the cache keeps it (qat: fp4 codes + e4m3 scales from registers), rows
+that emit no entry storing nothing; `_pair_state_kernel` then leaves the even rows' kv and gate
+in the pair state. `store_index_keys` runs the index GEMM in torch (cuBLAS) and one norm/RoPE/
+encode pass into the index cache. The ops-shaped twins (pair_pool, compressed_latent,
+compressed_key, index_key) run single steps of the same kernel; under quant="qat" the last two
+also round the RoPE output and fake-quantize the row (fp4 / e4m3 per 16, fp4 / ue8m0 per 32).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
+from dsv4cp.ops.kv_format import KVFormat, check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
+
+# the cache numerics → the fake quant whose codes the kernel stores
+_QUANT_OF = {"fp4_e4m3_16": "fp4_e4m3", "fp4_ue8m0_32": "fp4", "fp8_ue8m0_32": "fp8"}
 
 
 def pair_pool(kv: Tensor, gate: Tensor, partner_kv: Tensor, partner_gate: Tensor) -> Tensor:
@@ -90,48 +99,72 @@ def index_key(
 ) -> Tensor:
     """Triton twin of ops.compressor.index_key: GEMM in latent.dtype, then fused norm + rope
     ("qat": + fp4 e2m1 per 32 with ue8m0 scales, dequantized)."""
-    proj = latent @ wk.to(latent.dtype).t()
-    out = torch.empty_like(proj)
-    norm_rope_rows(
-        proj,
-        out,
-        positions=entry_positions,
-        rope_dim=rope_dim,
-        theta=theta,
-        yarn=yarn,
-        norm_weight=k_norm_weight,
-        eps=eps,
-        round_mid=True,
-        fake_quant="fp4" if check_quant_mode(quant) == "qat" else None,
+    t = latent.shape[0]
+    out = torch.empty(t, wk.shape[0], dtype=latent.dtype, device=latent.device)
+    rows = torch.arange(t, device=latent.device)
+    fmt: KVFormat = "fp4_ue8m0_32" if check_quant_mode(quant) == "qat" else "dense"
+    store_index_keys(
+        latent, wk, k_norm_weight, eps, entry_positions, rows, out, fmt, rope_dim, theta, yarn
     )
     return out
 
 
-def compress_store(
-    kv: Tensor,
-    gate: Tensor | None,
-    partner_kv: Tensor | None,
-    partner_gate: Tensor | None,
-    entry_positions: Tensor,
-    slots: Tensor,
-    cache: Tensor,
+def _store_mode(fmt: KVFormat, cache: Tensor, dtype: torch.dtype) -> tuple[str | None, bool]:
+    """(fake quant, encode) of the kernel that stores keys of numerics fmt into `cache`."""
+    if check_format(fmt) == "dense":
+        if cache.dtype != dtype:
+            raise ValueError(f"compressor kernel: a dense cache must be {dtype}, is {cache.dtype}")
+        return None, False
+    return _QUANT_OF[fmt], cache.dtype == torch.uint8
+
+
+@triton.jit
+def _pair_state_kernel(
+    kv_ptr, gate_ptr, row_ptr, skv_ptr, sg_ptr, T, D, stride_kv, stride_s, BLOCK_D: tl.constexpr
+):
+    t = tl.program_id(0)
+    row = tl.load(row_ptr + t).to(tl.int64)
+    if row >= 0:
+        cols = tl.arange(0, BLOCK_D)
+        ok = cols < D
+        src = t.to(tl.int64) * stride_kv + cols
+        tl.store(skv_ptr + row * stride_s + cols, tl.load(kv_ptr + src, mask=ok), mask=ok)
+        tl.store(sg_ptr + row * stride_s + cols, tl.load(gate_ptr + src, mask=ok), mask=ok)
+
+
+def compress_entries(
+    comp_kv: Tensor,
+    pair_state: tuple[Tensor, Tensor] | None,
+    read_rows: Tensor | None,
+    write_rows: Tensor | None,
     norm_weight: Tensor | None,
     eps: float,
+    dtype: torch.dtype,
+    entry_positions: Tensor,
+    emit_rows: Tensor,
+    cache: Tensor,
+    fmt: KVFormat,
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
 ) -> Tensor:
-    """Fused ratio-1/2 compressor tail: cache[slots] = rope(L); returns L [n, D] in cache.dtype.
-
-    Ratio 2: kv/gate are the odd rows, partner_kv/partner_gate the even rows (fp32). Ratio 1:
-    gate = partner_kv = partner_gate = None and kv is the bf16 projection.
-    """
-    pool = None
-    if gate is not None:
-        if partner_kv is None or partner_gate is None:
-            raise ValueError("compress_store: ratio 2 needs gate, partner_kv and partner_gate")
-        pool = (gate, partner_kv, partner_gate)
-    latent = torch.empty(kv.shape, dtype=cache.dtype, device=kv.device)
+    """Triton twin of ops.compressor.compress_entries: one pass over the rows, then the pair
+    state's writes (a second launch: a row may read the state row another row writes)."""
+    quant, encode = _store_mode(fmt, cache, dtype)
+    t = comp_kv.shape[0]
+    if pair_state is None:
+        kv, pool, rows = comp_kv, None, None
+    else:
+        if read_rows is None or write_rows is None:
+            raise ValueError("compress_entries: ratio 2 needs read_rows and write_rows")
+        state_kv, state_gate = pair_state
+        d = state_kv.shape[1]
+        if comp_kv.shape[1] != 2 * d or comp_kv.stride(1) != 1:
+            raise ValueError(f"compress_entries: comp_kv must be [T, {2 * d}] kv | gate rows")
+        if state_gate.shape != state_kv.shape or not state_kv.is_contiguous():
+            raise ValueError("compress_entries: the pair state must be two contiguous [S, D]")
+        kv, pool, rows = comp_kv[:, :d], (comp_kv[:, d:], state_kv, state_gate), read_rows
+    latent = torch.empty(kv.shape, dtype=dtype, device=kv.device)
     norm_rope_rows(
         kv,
         cache,
@@ -141,10 +174,64 @@ def compress_store(
         yarn=yarn,
         norm_weight=norm_weight,
         eps=eps,
-        slots=slots,
+        slots=emit_rows,
         pool=pool,
+        pool_rows=rows,
         round_in=True,
         round_mid=True,
         mid=latent,
+        fake_quant=quant,
+        encode=encode,
+        round_dtype=dtype,
     )
+    if pair_state is not None and t:
+        assert write_rows is not None  # checked above
+        if write_rows.shape != (t,):
+            raise ValueError(f"compress_entries: write_rows must be [{t}]")
+        _pair_state_kernel[(t,)](
+            comp_kv,
+            comp_kv[:, d:],
+            write_rows.contiguous(),
+            state_kv,
+            state_gate,
+            t,
+            d,
+            comp_kv.stride(0),
+            state_kv.stride(0),
+            BLOCK_D=triton.next_power_of_2(d),
+        )
     return latent
+
+
+def store_index_keys(
+    latent: Tensor,
+    wk: Tensor,
+    k_norm_weight: Tensor | None,
+    eps: float,
+    entry_positions: Tensor,
+    emit_rows: Tensor,
+    cache: Tensor,
+    fmt: KVFormat,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> None:
+    """Triton twin of ops.compressor.store_index_keys: the GEMM in torch, then one norm/RoPE
+    pass storing each emitted row at its cache row (qat: fp4 codes + ue8m0 scale bytes)."""
+    quant, encode = _store_mode(fmt, cache, latent.dtype)
+    proj = latent @ wk.to(latent.dtype).t()
+    norm_rope_rows(
+        proj,
+        cache,
+        positions=entry_positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=k_norm_weight,
+        eps=eps,
+        slots=emit_rows,
+        round_mid=True,
+        fake_quant=quant,
+        encode=encode,
+        round_dtype=latent.dtype,
+    )

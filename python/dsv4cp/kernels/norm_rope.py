@@ -1,5 +1,5 @@
 """Fused norm/RoPE row kernel: [pair pool] → [round] → RMSNorm → [round] → RoPE → [round →
-fake quant] → store.
+fake quant, or quantize and encode] → store.
 
 `norm_rope_rows` launches it for every twin that normalizes or rotates rows: the SWA key
 (`kernels.swa`: norm + rope in fp32, cast once, scattered to the cache slots, attention-math
@@ -12,7 +12,10 @@ quant="qat" (docs/quantization.md): the norm and the RoPE output are rounded to 
 and the finished row is fake-quantized in blocks along D (`kernels.fake_quant`: the quantizers of
 `dsv4cp.ops.quant` bit for bit). Blocks may
 straddle the RoPE boundary (D − rope_dim need not be a multiple of the block), so in this mode
-the row is rotated as one tile: each RoPE column also loads its pair partner.
+the row is rotated as one tile: each RoPE column also loads its pair partner. With `encode` the
+row is stored as the cache keeps it (`kernels.kv_encode`: codes and scale bytes, the format of
+`ops.kv_format`), at its slot: the SWA key, the compressed key and the index key go from
+registers to their cache rows in the pass that computes them.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import TL_DTYPES, interpreting, to_dtype
-from dsv4cp.kernels.fake_quant import FAKE_QUANTS, fake_quant_blocks
+from dsv4cp.kernels.fake_quant import ENCODED_FORMATS, FAKE_QUANTS, fake_quant_blocks
+from dsv4cp.kernels.kv_encode import quant_blocks, store_encoded
 from dsv4cp.kernels.precise_math import cos_sin, exp, rsqrt
+from dsv4cp.ops.kv_format import row_width
 from dsv4cp.ops.rope import YarnScaling, rope_inv_freq
 
 MAX_D = 8192  # the hidden size (5120) fits: one row per program there
@@ -51,6 +56,7 @@ def _load_prep(
     g_ptr,
     px_ptr,
     pg_ptr,
+    prow,
     rows64,
     cols,
     ok,
@@ -59,6 +65,7 @@ def _load_prep(
     stride_px,
     stride_pg,
     POOL: tl.constexpr,
+    POOL_ROWS: tl.constexpr,
     ROUND_IN: tl.constexpr,
     DTYPE: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -69,8 +76,25 @@ def _load_prep(
     if POOL:
         # Per-channel softmax over (partner = even token, this row = odd token).
         g1 = tl.load(g_ptr + rows64[:, None] * stride_g + cols, mask=ok, other=0.0)
-        x0 = tl.load(px_ptr + rows64[:, None] * stride_px + cols, mask=ok, other=0.0)
-        g0 = tl.load(pg_ptr + rows64[:, None] * stride_pg + cols, mask=ok, other=0.0)
+        if POOL_ROWS:
+            # the partner is the pair state's row prow (>= 0), else the row above in x and g
+            st = (prow >= 0)[:, None]
+            above = rows64 - 1
+            a_ok = ok & ~st & (above >= 0)[:, None]
+            prow64 = prow.to(tl.int64)[:, None]
+            x0 = tl.where(
+                st,
+                tl.load(px_ptr + prow64 * stride_px + cols, mask=ok & st, other=0.0),
+                tl.load(x_ptr + above[:, None] * stride_x + cols, mask=a_ok, other=0.0),
+            )
+            g0 = tl.where(
+                st,
+                tl.load(pg_ptr + prow64 * stride_pg + cols, mask=ok & st, other=0.0),
+                tl.load(g_ptr + above[:, None] * stride_g + cols, mask=a_ok, other=0.0),
+            )
+        else:
+            x0 = tl.load(px_ptr + rows64[:, None] * stride_px + cols, mask=ok, other=0.0)
+            g0 = tl.load(pg_ptr + rows64[:, None] * stride_pg + cols, mask=ok, other=0.0)
         g0 = g0.to(tl.float32)
         g1 = g1.to(tl.float32)
         mx = tl.maximum(g0, g1)
@@ -89,6 +113,7 @@ def _load_normed(
     px_ptr,
     pg_ptr,
     w_ptr,
+    prow,
     rows64,
     cols,
     ok,
@@ -99,6 +124,7 @@ def _load_normed(
     stride_px,
     stride_pg,
     POOL: tl.constexpr,
+    POOL_ROWS: tl.constexpr,
     ROUND_IN: tl.constexpr,
     NORM: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -115,6 +141,7 @@ def _load_normed(
         g_ptr,
         px_ptr,
         pg_ptr,
+        prow,
         rows64,
         cols,
         ok,
@@ -123,6 +150,7 @@ def _load_normed(
         stride_px,
         stride_pg,
         POOL,
+        POOL_ROWS,
         ROUND_IN,
         DTYPE,
         PRECISE,
@@ -144,6 +172,7 @@ def _norm_rope_kernel(
     px_ptr,
     pg_ptr,
     w_ptr,
+    prow_ptr,
     freq_ptr,
     pos_ptr,
     slot_ptr,
@@ -160,6 +189,7 @@ def _norm_rope_kernel(
     stride_out,
     stride_mid,
     POOL: tl.constexpr,
+    POOL_ROWS: tl.constexpr,
     ROUND_IN: tl.constexpr,
     NORM: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -170,6 +200,7 @@ def _norm_rope_kernel(
     WRITE_MID: tl.constexpr,
     QUANT: tl.constexpr,
     QBLOCK: tl.constexpr,
+    ENCODE: tl.constexpr,
     RDT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -180,12 +211,16 @@ def _norm_rope_kernel(
     # The whole row is one tile (norm, the unrotated dims, mid). Without fake quant the rope
     # dims are read again as a contiguous tile of (even, odd) pairs so that cos/sin are
     # evaluated only for the rope_dim / 2 pairs; with it the row's own pairs are rotated.
-    dt = out_ptr.dtype.element_ty
+    # ENCODE: out holds uint8 rows (codes, then scales); the values round to RDT
+    dt = RDT if ENCODE else out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_ok = rows < T
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = r_ok[:, None] & (cols < D)[None, :]
+    prow = rows
+    if POOL_ROWS:
+        prow = tl.load(prow_ptr + rows64, mask=r_ok, other=-1)
     x_ok = ok
     if ROPE and QUANT == 0 and not NORM and not WRITE_MID:
         x_ok = ok & (cols < ROPE0)[None, :]  # the rope columns are read below, as pairs
@@ -194,6 +229,7 @@ def _norm_rope_kernel(
         g_ptr,
         px_ptr,
         pg_ptr,
+        prow,
         rows64,
         cols[None, :],
         x_ok,
@@ -202,6 +238,7 @@ def _norm_rope_kernel(
         stride_px,
         stride_pg,
         POOL,
+        POOL_ROWS,
         ROUND_IN,
         dt,
         PRECISE,
@@ -222,9 +259,13 @@ def _norm_rope_kernel(
             mask=ok,
         )
     if HAS_SLOTS:
-        dst = tl.load(slot_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        # a negative slot stores nothing (a row that emits no entry)
+        dst = tl.load(slot_ptr + rows, mask=r_ok, other=-1).to(tl.int64)
+        st_ok = r_ok & (dst >= 0)
     else:
         dst = rows64
+        st_ok = r_ok
+    ok = st_ok[:, None] & (cols < D)[None, :]
     out_rows = out_ptr + dst[:, None] * stride_out
     if QUANT != 0:
         y = x
@@ -244,13 +285,18 @@ def _norm_rope_kernel(
             re = tl.where(is_rope[None, :], re, xe)
             ro = tl.where(is_rope[None, :], ro, xo)
             y = tl.reshape(tl.join(re, ro), [BLOCK_T, BLOCK_D])
-        y = fake_quant_blocks(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
-        tl.store(out_rows + cols[None, :], to_dtype(y, dt, EMULATE), mask=ok)
+        if ENCODE:
+            q, s = quant_blocks(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
+            dst_rows = out_ptr + dst * stride_out
+            store_encoded(dst_rows, q, s, st_ok, D, QUANT, QBLOCK, BLOCK_T, BLOCK_D)
+        else:
+            y = fake_quant_blocks(y, QUANT, QBLOCK, BLOCK_T, BLOCK_D, PRECISE)
+            tl.store(out_rows + cols[None, :], to_dtype(y, dt, EMULATE), mask=ok)
     elif ROPE:
         tl.store(
             out_rows + cols[None, :],
             to_dtype(x, dt, EMULATE),
-            mask=r_ok[:, None] & (cols < ROPE0)[None, :],
+            mask=st_ok[:, None] & (cols < ROPE0)[None, :],
         )
         # the RoPE columns as one contiguous tile of BLOCK_R (even, odd) pairs, split in
         # registers: whole-vector loads and stores, no strided pair accesses
@@ -262,6 +308,7 @@ def _norm_rope_kernel(
             px_ptr,
             pg_ptr,
             w_ptr,
+            prow,
             rows64,
             rc[None, :],
             r_ok[:, None] & rc_ok[None, :],
@@ -272,6 +319,7 @@ def _norm_rope_kernel(
             stride_px,
             stride_pg,
             POOL,
+            POOL_ROWS,
             ROUND_IN,
             NORM,
             HAS_W,
@@ -290,7 +338,7 @@ def _norm_rope_kernel(
             sin = -sin
         rot = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), [BLOCK_T, 2 * BLOCK_R])
         tl.store(
-            out_rows + rc[None, :], to_dtype(rot, dt, EMULATE), mask=r_ok[:, None] & rc_ok[None, :]
+            out_rows + rc[None, :], to_dtype(rot, dt, EMULATE), mask=st_ok[:, None] & rc_ok[None, :]
         )
     else:
         tl.store(out_rows + cols[None, :], to_dtype(x, dt, EMULATE), mask=ok)
@@ -323,17 +371,25 @@ def norm_rope_rows(
     norm: bool = True,
     slots: Tensor | None = None,
     pool: tuple[Tensor, Tensor, Tensor] | None = None,
+    pool_rows: Tensor | None = None,
     round_in: bool = False,
     round_mid: bool = False,
     mid: Tensor | None = None,
     inverse: bool = False,
     fake_quant: str | None = None,
+    encode: bool = False,
     round_dtype: torch.dtype | None = None,
     config: tuple[int, int] | None = None,
 ) -> None:
     """Launch the fused row kernel. See the module doc. round_in rounds to out.dtype; round_mid
     and, with `fake_quant` (a key of FAKE_QUANTS), the RoPE output round to `round_dtype`
-    (default out.dtype) before the row is fake-quantized."""
+    (default out.dtype) before the row is fake-quantized.
+
+    encode: store the quantizer's codes and scales instead (out: uint8 rows of the cache format
+    ENCODED_FORMATS[fake_quant]; round_in and the roundings then use round_dtype, required).
+    pool_rows: with `pool = (gate, state_kv, state_gate)`, row t's partner is the state's row
+    pool_rows[t] when that is >= 0, else row t − 1 of x and gate. slots: a negative slot stores
+    nothing (mid is written for every row)."""
     if x.dim() != 2:
         raise ValueError(f"norm/rope kernel: rows must be [T, D], got {tuple(x.shape)}")
     t, d = x.shape
@@ -341,8 +397,15 @@ def norm_rope_rows(
         raise ValueError(f"norm/rope kernel: D must be at most {MAX_D}, got {d}")
     if rope_dim % 2 or d % 2 or rope_dim > d or (positions is None and rope_dim):
         raise ValueError(f"norm/rope kernel: rope_dim {rope_dim} must be even and <= D = {d}")
-    if out.dim() != 2 or out.shape[1] != d:
-        raise ValueError(f"norm/rope kernel: out must be [*, {d}], got {tuple(out.shape)}")
+    width = d
+    if encode:
+        if fake_quant is None or round_dtype is None:
+            raise ValueError("norm/rope kernel: encode needs fake_quant and round_dtype")
+        width = row_width(ENCODED_FORMATS[fake_quant], d)
+        if out.dtype != torch.uint8:
+            raise ValueError(f"norm/rope kernel: encoded rows are uint8, got {out.dtype}")
+    if out.dim() != 2 or out.shape[1] != width:
+        raise ValueError(f"norm/rope kernel: out must be [*, {width}], got {tuple(out.shape)}")
     if t == 0:
         return
     if slots is not None and slots.shape != (t,):
@@ -361,9 +424,15 @@ def norm_rope_rows(
         raise ValueError(f"norm/rope kernel: cannot round to {rdt}")
     x = _rows(x)
     g, px, pg = (_rows(p) for p in pool) if pool is not None else (x, x, x)
-    for p in (g, px, pg):
-        if p.shape != x.shape:
-            raise ValueError(f"pair_pool kernel: all four inputs must be {tuple(x.shape)}")
+    if pool_rows is not None:
+        if pool is None or pool_rows.shape != (t,):
+            raise ValueError(f"norm/rope kernel: pool_rows must be [{t}] and come with a pool")
+        if g.shape != x.shape or px.shape[1:] != x.shape[1:] or pg.shape != px.shape:
+            raise ValueError(f"pair_pool kernel: gate {tuple(x.shape)}, state [*, {d}] expected")
+    else:
+        for p in (g, px, pg):
+            if p.shape != x.shape:
+                raise ValueError(f"pair_pool kernel: all four inputs must be {tuple(x.shape)}")
     rope = rope_dim > 0
     freq = inv_freq(rope_dim, theta, yarn, x.device) if rope else x
     block_d = max(16, triton.next_power_of_2(d))
@@ -375,6 +444,7 @@ def norm_rope_rows(
         px,
         pg,
         x if norm_weight is None else norm_weight.contiguous(),
+        x if pool_rows is None else pool_rows.contiguous(),
         freq,
         x if positions is None else positions.contiguous(),
         x if slots is None else slots.contiguous(),
@@ -391,6 +461,7 @@ def norm_rope_rows(
         out.stride(0),
         out.stride(0) if mid is None else mid.stride(0),
         POOL=pool is not None,
+        POOL_ROWS=pool_rows is not None,
         ROUND_IN=round_in,
         NORM=norm,
         HAS_W=norm_weight is not None,
@@ -401,6 +472,7 @@ def norm_rope_rows(
         WRITE_MID=mid is not None,
         QUANT=quant,
         QBLOCK=qblock,
+        ENCODE=encode,
         RDT=TL_DTYPES[rdt],
         BLOCK_T=block_t,
         BLOCK_D=block_d,

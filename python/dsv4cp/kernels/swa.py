@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
+from dsv4cp.ops.kv_format import KVFormat, check_format, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
 
@@ -26,22 +27,9 @@ def swa_key(
 ) -> Tensor:
     """Triton twin of ops.swa.swa_key: norm and rope in fp32, one cast to out_dtype; "qat":
     rounded to kv_raw.dtype after each, then fp8 per 32 fake-quantized."""
-    out = torch.empty(kv_raw.shape, dtype=out_dtype or kv_raw.dtype, device=kv_raw.device)
-    qat = check_quant_mode(quant) == "qat"
-    norm_rope_rows(
-        kv_raw,
-        out,
-        positions=positions,
-        rope_dim=rope_dim,
-        theta=theta,
-        yarn=yarn,
-        norm_weight=norm_weight,
-        eps=eps,
-        round_mid=qat,
-        fake_quant="fp8" if qat else None,
-        round_dtype=kv_raw.dtype,
+    return swa_key_rows(
+        kv_raw, positions, norm_weight, eps, rope_dim, theta, yarn, quant, "dense", out_dtype
     )
-    return out
 
 
 def store_swa_k(
@@ -72,3 +60,43 @@ def store_swa_k(
         fake_quant="fp8" if qat else None,
         round_dtype=kv_raw.dtype,
     )
+
+
+def swa_key_rows(
+    kv_raw: Tensor,
+    positions: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+    quant: QuantMode = "none",
+    fmt: KVFormat = "dense",
+    stored_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Triton twin of ops.swa.swa_key_rows: the stored rows from one pass (codes and ue8m0 scale
+    bytes straight from the quantizer in registers when the rows are uint8)."""
+    if check_format(fmt) not in ("dense", "fp8_ue8m0_32"):
+        raise ValueError(f"swa_key_rows: the SWA cache is dense or fp8_ue8m0_32, got {fmt}")
+    qat = check_quant_mode(quant) == "qat"
+    if fmt != "dense" and not qat:
+        raise ValueError("swa_key_rows: a quantized SWA cache needs quant='qat'")
+    stored = stored_dtype or kv_raw.dtype
+    encode = stored == torch.uint8 and fmt != "dense"
+    t, d = kv_raw.shape
+    out = torch.empty(t, row_width(fmt, d) if encode else d, dtype=stored, device=kv_raw.device)
+    norm_rope_rows(
+        kv_raw,
+        out,
+        positions=positions,
+        rope_dim=rope_dim,
+        theta=theta,
+        yarn=yarn,
+        norm_weight=norm_weight,
+        eps=eps,
+        round_mid=qat,
+        fake_quant="fp8" if qat else None,
+        encode=encode,
+        round_dtype=kv_raw.dtype,
+    )
+    return out

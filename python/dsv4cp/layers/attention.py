@@ -40,20 +40,18 @@ from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.routing import (
-    compressed_key,
-    compressed_latent,
+    compress_entries,
     grouped_wo_a,
-    index_key,
     indexer_weights,
     linear_fp32,
     mqa_logits_cached,
     mqa_topk_cached,
-    pair_pool,
     rms_norm,
     rope_index_queries,
     rope_tail_,
     sparse_attention_cached,
-    swa_key,
+    store_index_keys,
+    swa_key_rows,
 )
 from dsv4cp.schedule import DEFAULT, Fork, Join, Node, PrepareState, Release, Schedule, Step
 
@@ -199,21 +197,19 @@ class DeepseekV41Attention(nn.Module):
     def _swa_rows(self, st: PrepareState) -> None:
         """This rank's SWA keys as the cache stores them (row-local: norm, RoPE, quantizer), so
         the gather carries stored rows (528 B/token in qat) instead of the raw latent."""
-        ctx = st.ctx
-        key = swa_key(
+        cache = st.ctx.cache
+        st["swa_rows"] = swa_key_rows(
             st["kv_raw"],
-            ctx.local.positions,
+            st.ctx.local.positions,
             self.kv_norm,
             self.eps,
             self.rope_dim,
             self.theta,
             self.yarn,
-            ctx.cache.dtype,
             self.quant,
+            cache.numerics.swa,
+            cache.stored_dtype("swa"),
         )
-        # qat: the fake-quantized key re-quantizes to the same values (fp8 with power-of-two
-        # scales is idempotent; docs/caches.md), so the stored codes decode to exactly `key`.
-        st["swa_rows"] = ctx.cache.encode("swa", key)
 
     def _gather_kv(self, st: PrepareState) -> None:
         ctx = st.ctx
@@ -236,39 +232,41 @@ class DeepseekV41Attention(nn.Module):
         ctx = st.ctx
         tok = ctx.meta.tokens
         cache = ctx.cache
-        r, d = self.role.ratio, self.head_dim
-        g = st["comp_kv_g"]
-        if r == 2:
-            kv, gate = g[:, :d], g[:, d:]
-            from_state = tok.pair_partner_from_state()[:, None]
-            read = cache.pair_read_rows(tok)
-            prev_kv = torch.cat([kv[:1], kv[:-1]])
-            prev_gate = torch.cat([gate[:1], gate[:-1]])
-            partner_kv = torch.where(from_state, cache.pair_kv[self.layer][read], prev_kv)
-            partner_gate = torch.where(from_state, cache.pair_gate[self.layer][read], prev_gate)
-            pooled = pair_pool(kv, gate, partner_kv, partner_gate)
-            write = cache.pair_write_rows(tok)
-            cache.pair_kv[self.layer][write] = kv
-            cache.pair_gate[self.layer][write] = gate
-        else:
-            pooled = g
-        latent = compressed_latent(pooled, self.comp_norm, self.eps, self.dtype)
+        r = self.role.ratio
+        pair = (cache.pair_kv[self.layer], cache.pair_gate[self.layer]) if r == 2 else None
+        read = cache.pair_read_rows(tok) if r == 2 else None
+        write = cache.pair_write_rows(tok) if r == 2 else None
         entry_pos = tok.entry_positions(r)
         emit = cache.entry_rows(r, tok.emit_slots(r))
-        # The caches quantize (codes + scales): the keys go in before their qat fake quant.
-        ckey = compressed_key(latent, entry_pos, self.rope_dim, self.theta, self.yarn)
-        cache.compressed[self.layer][emit] = cache.encode("compressed", ckey)
-        ikey = index_key(
+        latent = compress_entries(
+            st["comp_kv_g"],
+            pair,
+            read,
+            write,
+            self.comp_norm,
+            self.eps,
+            self.dtype,
+            entry_pos,
+            emit,
+            cache.compressed[self.layer],
+            cache.numerics.compressed,
+            self.rope_dim,
+            self.theta,
+            self.yarn,
+        )
+        store_index_keys(
             latent,
             self.idx_wk,
             self.idx_k_norm,
             self.eps,
             entry_pos,
+            emit,
+            cache.index[self.layer],
+            cache.numerics.index,
             self.rope_dim,
             self.theta,
             self.yarn,
         )
-        cache.index[self.layer][emit] = cache.encode("index", ikey)
         st["comp_cache"] = cache.compressed[self.layer]
         st["index_cache"] = cache.index[self.layer]
 

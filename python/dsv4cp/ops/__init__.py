@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dsv4cp.ops.attention import sparse_attention, sparse_attention_cached
 from dsv4cp.ops.attention_quant import sparse_attention_qat
-from dsv4cp.ops.compressor import compressed_key, compressed_latent, index_key, pair_pool
+from dsv4cp.ops.compressor import (
+    compress_entries,
+    compressed_key,
+    compressed_latent,
+    index_key,
+    pair_pool,
+    store_index_keys,
+)
 from dsv4cp.ops.hyper_connections import hc_collapse, hc_expand, hc_mix_logits, sinkhorn_split
 from dsv4cp.ops.indexer import (
     candidate_blocks,
@@ -29,7 +36,7 @@ from dsv4cp.ops.output import grouped_output, grouped_wo_a
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 from dsv4cp.ops.rowwise import rowwise_linear_fp32
-from dsv4cp.ops.swa import store_swa_k, swa_key
+from dsv4cp.ops.swa import store_swa_k, swa_key, swa_key_rows
 
 __all__ = [
     "QuantMode",
@@ -37,6 +44,7 @@ __all__ = [
     "apply_rope",
     "candidate_blocks",
     "check_quant_mode",
+    "compress_entries",
     "compressed_key",
     "compressed_latent",
     "dequant_fp4",
@@ -68,8 +76,10 @@ __all__ = [
     "sparse_attention",
     "sparse_attention_cached",
     "sparse_attention_qat",
+    "store_index_keys",
     "store_swa_k",
     "swa_key",
+    "swa_key_rows",
     "topk_among_blocks",
     "topk_indices",
 ]

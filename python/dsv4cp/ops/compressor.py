@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.ops.attention_quant import fake_quant_compressed_key_fp4, fake_quant_index_fp4
+from dsv4cp.ops.kv_format import KVFormat, stored_rows
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -71,3 +72,75 @@ def index_key(
     if check_quant_mode(quant) == "qat":
         return fake_quant_index_fp4(key)
     return key
+
+
+def _store_at(cache: Tensor, rows: Tensor, values: Tensor) -> None:
+    """cache[rows] = values where rows >= 0 (the twins compact by mask: a host sync)."""
+    keep = rows >= 0
+    cache[rows[keep]] = values[keep].to(cache.dtype)
+
+
+def compress_entries(
+    comp_kv: Tensor,
+    pair_state: tuple[Tensor, Tensor] | None,
+    read_rows: Tensor | None,
+    write_rows: Tensor | None,
+    norm_weight: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+    entry_positions: Tensor,
+    emit_rows: Tensor,
+    cache: Tensor,
+    fmt: KVFormat,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> Tensor:
+    """The kv source's compressor over T rows (§5.2): returns the latents [T, D] in dtype and
+    stores the compressed keys `stored_rows(compressed_key(latent), fmt, cache.dtype)` at
+    cache[emit_rows] (−1: the row emits nothing).
+
+    Ratio 2 (`pair_state` = the fp32 (kv, gate) state rows, comp_kv = fp32 kv | gate [T, 2D]):
+    row t pools with its partner, the state's row read_rows[t] when >= 0, else row t − 1 (zeros
+    above row 0); then every row t with write_rows[t] >= 0 leaves its kv and gate there (after
+    the reads). Ratio 1 (`pair_state` None): comp_kv [T, D] is the entry itself."""
+    if pair_state is None:
+        pooled = comp_kv
+    else:
+        if read_rows is None or write_rows is None:
+            raise ValueError("compress_entries: ratio 2 needs read_rows and write_rows")
+        state_kv, state_gate = pair_state
+        d = state_kv.shape[1]
+        kv, gate = comp_kv[:, :d], comp_kv[:, d:]
+        from_state = (read_rows >= 0)[:, None]
+        rows = read_rows.clamp(min=0)
+        above_kv = torch.cat([torch.zeros_like(kv[:1]), kv[:-1]])
+        above_gate = torch.cat([torch.zeros_like(gate[:1]), gate[:-1]])
+        partner_kv = torch.where(from_state, state_kv[rows], above_kv)
+        partner_gate = torch.where(from_state, state_gate[rows], above_gate)
+        pooled = pair_pool(kv, gate, partner_kv, partner_gate)
+        _store_at(state_kv, write_rows, kv)
+        _store_at(state_gate, write_rows, gate)
+    latent = compressed_latent(pooled, norm_weight, eps, dtype)
+    key = compressed_key(latent, entry_positions, rope_dim, theta, yarn)
+    _store_at(cache, emit_rows, stored_rows(key, fmt, cache.dtype))
+    return latent
+
+
+def store_index_keys(
+    latent: Tensor,
+    wk: Tensor,
+    k_norm_weight: Tensor | None,
+    eps: float,
+    entry_positions: Tensor,
+    emit_rows: Tensor,
+    cache: Tensor,
+    fmt: KVFormat,
+    rope_dim: int,
+    theta: float,
+    yarn: YarnScaling | None = None,
+) -> None:
+    """cache[emit_rows] = stored_rows(index_key(latent, ...), fmt, cache.dtype) where emit_rows
+    >= 0: the index keys as the index cache keeps them."""
+    key = index_key(latent, wk, k_norm_weight, eps, entry_positions, rope_dim, theta, yarn)
+    _store_at(cache, emit_rows, stored_rows(key, fmt, cache.dtype))

@@ -104,6 +104,19 @@ def encode_rows(x: Tensor, fmt: str, *, dense_dtype: torch.dtype) -> Tensor:
     return torch.cat([packed, _e8m0_bits(scale)], dim=1)
 
 
+def stored_rows(x: Tensor, fmt: str, stored_dtype: torch.dtype) -> Tensor:
+    """Key rows x [n, dim] as a cache of numerics `fmt` whose tensor has `stored_dtype` keeps
+    them: uint8 → the encoded rows; another dtype → the dequantized values (x itself for dense)
+    in that dtype (`store_values` caches, docs/caches.md)."""
+    if stored_dtype == torch.uint8 and check_format(fmt) != "dense":
+        return encode_rows(x, fmt, dense_dtype=stored_dtype)
+    if fmt == "dense":
+        return x.to(stored_dtype)
+    return decode_rows(encode_rows(x, fmt, dense_dtype=stored_dtype), fmt, x.shape[-1]).to(
+        stored_dtype
+    )
+
+
 def decode_rows(rows: Tensor, fmt: str, dim: int) -> Tensor:
     """Stored rows [n, row_width] → fp32 key values [n, dim] (the dequantized keys)."""
     if check_format(fmt) == "dense":
