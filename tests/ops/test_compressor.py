@@ -139,3 +139,65 @@ def test_index_key_bf16_stays_bf16() -> None:
     assert got.dtype == torch.bfloat16
     want = loop_index_key(latent, wk, k_norm, 1e-20, [0, 2, 4, 6])
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+
+
+def _entries_args(t: int = 6, d: int = 32) -> dict:
+    g = torch.Generator().manual_seed(5)
+    return dict(
+        comp_kv=torch.randn(t, 2 * d, generator=g),
+        pair_state=(torch.randn(4, d, generator=g), torch.randn(4, d, generator=g)),
+        read_rows=torch.tensor([2] + [-1] * (t - 1)),
+        write_rows=torch.tensor([-1] * (t - 1) + [3]),
+        norm_weight=None,
+        eps=1e-6,
+        dtype=torch.float32,
+        entry_positions=torch.arange(t) * 2,
+        emit_rows=torch.tensor([0, -1, 1, -1, 2, -1])[:t],
+        cache=torch.zeros(4, d),
+        fmt="dense",
+        rope_dim=16,
+        theta=THETA,
+    )
+
+
+def test_compress_entries_pools_with_the_state_or_the_row_above() -> None:
+    from dsv4cp.ops import compress_entries
+
+    a = _entries_args()
+    d = a["cache"].shape[1]
+    kv, gate = a["comp_kv"][:, :d].clone(), a["comp_kv"][:, d:].clone()
+    skv, sgate = (s.clone() for s in a["pair_state"])
+    latent = compress_entries(**a)
+    partner_kv = torch.cat([skv[2:3], kv[:-1]])  # row 0 reads state row 2, then the row above
+    partner_gate = torch.cat([sgate[2:3], gate[:-1]])
+    pooled = pair_pool(kv, gate, partner_kv, partner_gate)
+    want = compressed_latent(pooled, None, 1e-6, torch.float32)
+    assert torch.equal(latent, want)
+    key = compressed_key(want, a["entry_positions"], 16, THETA)
+    assert torch.equal(a["cache"][:3], key[[0, 2, 4]])  # -1 stores nothing
+    assert torch.equal(a["cache"][3], torch.zeros(d))
+    assert torch.equal(a["pair_state"][0][3], kv[5])  # written after the reads
+    assert torch.equal(a["pair_state"][0][2], skv[2])
+
+
+@pytest.mark.parametrize("impl", ["ops", "kernels"])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(read_rows=None), "ratio 2 needs read_rows and write_rows"),
+        (dict(write_rows=torch.tensor([-1, 3])), r"read_rows and write_rows must be \[6\]"),
+        (dict(comp_kv=torch.zeros(6, 48)), r"comp_kv must be \[T, 64\]"),
+        (dict(pair_state=(torch.zeros(4, 32), torch.zeros(5, 32))), "two contiguous"),
+        (dict(emit_rows=torch.zeros(5, dtype=torch.long)), r"must be \[6\]"),
+        (dict(entry_positions=torch.zeros(7, dtype=torch.long)), r"must be \[6\]"),
+    ],
+)
+def test_compress_entries_refuses_rows_that_disagree(impl: str, change: dict, message: str) -> None:
+    # The Triton wrapper checks before it launches anything: CPU tensors reach the same errors.
+    if impl == "kernels":
+        pytest.importorskip("triton")
+        from dsv4cp.kernels.compressor import compress_entries
+    else:
+        from dsv4cp.ops import compress_entries
+    with pytest.raises(ValueError, match=message):
+        compress_entries(**{**_entries_args(), **change})

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
+from dsv4cp.ops.compressor import check_entries_args
 from dsv4cp.ops.kv_format import KVFormat, check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
@@ -152,17 +153,11 @@ def compress_entries(
     state's writes (a second launch: a row may read the state row another row writes)."""
     quant, encode = _store_mode(fmt, cache, dtype)
     t = comp_kv.shape[0]
+    d = check_entries_args(comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows)
     if pair_state is None:
         kv, pool, rows = comp_kv, None, None
     else:
-        if read_rows is None or write_rows is None:
-            raise ValueError("compress_entries: ratio 2 needs read_rows and write_rows")
         state_kv, state_gate = pair_state
-        d = state_kv.shape[1]
-        if comp_kv.shape[1] != 2 * d or comp_kv.stride(1) != 1:
-            raise ValueError(f"compress_entries: comp_kv must be [T, {2 * d}] kv | gate rows")
-        if state_gate.shape != state_kv.shape or not state_kv.is_contiguous():
-            raise ValueError("compress_entries: the pair state must be two contiguous [S, D]")
         kv, pool, rows = comp_kv[:, :d], (comp_kv[:, d:], state_kv, state_gate), read_rows
     latent = torch.empty(kv.shape, dtype=dtype, device=kv.device)
     norm_rope_rows(
@@ -186,8 +181,6 @@ def compress_entries(
     )
     if pair_state is not None and t:
         assert write_rows is not None  # checked above
-        if write_rows.shape != (t,):
-            raise ValueError(f"compress_entries: write_rows must be [{t}]")
         _pair_state_kernel[(t,)](
             comp_kv,
             comp_kv[:, d:],

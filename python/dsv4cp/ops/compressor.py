@@ -80,6 +80,39 @@ def _store_at(cache: Tensor, rows: Tensor, values: Tensor) -> None:
     cache[rows[keep]] = values[keep].to(cache.dtype)
 
 
+def check_entries_args(
+    comp_kv: Tensor,
+    pair_state: tuple[Tensor, Tensor] | None,
+    read_rows: Tensor | None,
+    write_rows: Tensor | None,
+    entry_positions: Tensor,
+    emit_rows: Tensor,
+) -> int:
+    """ValueError unless `compress_entries`' rows agree (its kernel and twin both call this);
+    returns D, the entry width."""
+    t = comp_kv.shape[0]
+    if comp_kv.dim() != 2:
+        raise ValueError(f"compress_entries: comp_kv must be [T, *], got {tuple(comp_kv.shape)}")
+    if entry_positions.shape != (t,) or emit_rows.shape != (t,):
+        raise ValueError(
+            f"compress_entries: entry_positions and emit_rows must be [{t}], got "
+            f"{tuple(entry_positions.shape)} and {tuple(emit_rows.shape)}"
+        )
+    if pair_state is None:
+        return int(comp_kv.shape[1])
+    if read_rows is None or write_rows is None:
+        raise ValueError("compress_entries: ratio 2 needs read_rows and write_rows")
+    if read_rows.shape != (t,) or write_rows.shape != (t,):
+        raise ValueError(f"compress_entries: read_rows and write_rows must be [{t}]")
+    state_kv, state_gate = pair_state
+    d = int(state_kv.shape[1])
+    if comp_kv.shape[1] != 2 * d or comp_kv.stride(1) != 1:
+        raise ValueError(f"compress_entries: comp_kv must be [T, {2 * d}] kv | gate rows")
+    if state_gate.shape != state_kv.shape or not state_kv.is_contiguous():
+        raise ValueError("compress_entries: the pair state must be two contiguous [S, D]")
+    return d
+
+
 def compress_entries(
     comp_kv: Tensor,
     pair_state: tuple[Tensor, Tensor] | None,
@@ -104,13 +137,12 @@ def compress_entries(
     row t pools with its partner, the state's row read_rows[t] when >= 0, else row t − 1 (zeros
     above row 0); then every row t with write_rows[t] >= 0 leaves its kv and gate there (after
     the reads). Ratio 1 (`pair_state` None): comp_kv [T, D] is the entry itself."""
+    d = check_entries_args(comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows)
     if pair_state is None:
         pooled = comp_kv
     else:
-        if read_rows is None or write_rows is None:
-            raise ValueError("compress_entries: ratio 2 needs read_rows and write_rows")
+        assert read_rows is not None and write_rows is not None  # checked above
         state_kv, state_gate = pair_state
-        d = state_kv.shape[1]
         kv, gate = comp_kv[:, :d], comp_kv[:, d:]
         from_state = (read_rows >= 0)[:, None]
         rows = read_rows.clamp(min=0)
