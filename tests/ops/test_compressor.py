@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4cp.ops import YarnScaling, compressed_key, compressed_latent, index_key, pair_pool
 
@@ -201,3 +202,45 @@ def test_compress_entries_refuses_rows_that_disagree(impl: str, change: dict, me
         from dsv4cp.ops import compress_entries
     with pytest.raises(ValueError, match=message):
         compress_entries(**{**_entries_args(), **change})
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[-1, 0, -1, 2], [-1, -1, -1], [3, -1, 0], [-1], []],
+    ids=["row0-after-skips", "none-kept", "first-kept", "one-skip", "empty"],
+)
+def test_store_at_writes_kept_rows_only(rows: list[int]) -> None:
+    # No mask compaction (a host sync): skipped rows write agreeing duplicates instead.
+    from dsv4cp.ops.compressor import _store_at
+
+    for dtype in (torch.float32, torch.uint8):
+        cache = torch.arange(4 * 3).reshape(4, 3).to(dtype)
+        values = (torch.arange(len(rows) * 3).reshape(len(rows), 3) + 100).to(dtype)
+        want = cache.clone()
+        for i, r in enumerate(rows):
+            if r >= 0:
+                want[r] = values[i]
+        with _HostSyncs() as syncs:
+            _store_at(cache, torch.tensor(rows, dtype=torch.long), values)
+        assert torch.equal(cache, want)
+        assert not syncs.ops, syncs.ops
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the aten ops that read a tensor's values on the host (a sync on CUDA, fatal in a
+    CUDA graph capture): nonzero, item, boolean-mask indexing."""
+
+    SYNCING = ("aten.nonzero", "aten._local_scalar_dense", "aten.masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = str(func.overloadpacket)
+        bool_index = name == "aten.index" and any(
+            t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else ())
+        )
+        if name in self.SYNCING or bool_index:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))

@@ -75,9 +75,20 @@ def index_key(
 
 
 def _store_at(cache: Tensor, rows: Tensor, values: Tensor) -> None:
-    """cache[rows] = values where rows >= 0 (the twins compact by mask: a host sync)."""
+    """cache[rows] = values where rows >= 0, without a host sync (no mask compaction): a row of
+    -1 writes the same value to the same row as the first kept row (or, when none is kept, row
+    0's own value back), so the duplicate writes agree whatever order they land in."""
+    if rows.numel() == 0:
+        return
     keep = rows >= 0
-    cache[rows[keep]] = values[keep].to(cache.dtype)
+    vals = values.to(cache.dtype)
+    j = keep.to(torch.int32).argmax().view(1)  # the first kept row (0 when none is)
+    target = rows.index_select(0, j).clamp(min=0)  # tensors, not Python ints: no item()
+    fill = torch.where(
+        keep.index_select(0, j)[:, None], vals.index_select(0, j), cache.index_select(0, target)
+    )
+    idx = torch.where(keep, rows, target)
+    cache.index_put_((idx,), torch.where(keep[:, None], vals, fill))
 
 
 def check_entries_args(
