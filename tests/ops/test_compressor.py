@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4cp.ops import YarnScaling, compressed_key, compressed_latent, index_key, pair_pool
+from tests.host_syncs import HostSyncs
 
 YARN = YarnScaling(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0)
 THETA, D, DR, D_I = 160000.0, 96, 32, 64
@@ -220,27 +220,7 @@ def test_store_at_writes_kept_rows_only(rows: list[int]) -> None:
         for i, r in enumerate(rows):
             if r >= 0:
                 want[r] = values[i]
-        with _HostSyncs() as syncs:
+        with HostSyncs() as syncs:
             _store_at(cache, torch.tensor(rows, dtype=torch.long), values)
         assert torch.equal(cache, want)
         assert not syncs.ops, syncs.ops
-
-
-class _HostSyncs(TorchDispatchMode):
-    """Records the aten ops that read a tensor's values on the host (a sync on CUDA, fatal in a
-    CUDA graph capture): nonzero, item, boolean-mask indexing."""
-
-    SYNCING = ("aten.nonzero", "aten._local_scalar_dense", "aten.masked_select")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = str(func.overloadpacket)
-        bool_index = name == "aten.index" and any(
-            t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else ())
-        )
-        if name in self.SYNCING or bool_index:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
