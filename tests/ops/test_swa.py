@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cmath
 import math
+import re
 
 import pytest
 import torch
@@ -117,3 +118,25 @@ def test_store_swa_k_bf16_rounds_once() -> None:
     normed = torch.tensor(loop_norm(kv_raw, weight, 1e-20)).to(torch.bfloat16).double()
     twice = loop_rope(normed.tolist(), POSITIONS, 160000.0, TINY_YARN).to(torch.bfloat16)
     assert not (twice.double() - want).abs().le(bound).all()
+
+
+@pytest.mark.parametrize("impl", ["ops", "kernels"])
+@pytest.mark.parametrize(
+    ("fmt", "quant", "message"),
+    [
+        ("fp4_ue8m0_32", "qat", "the SWA cache is dense or fp8_ue8m0_32, got fp4_ue8m0_32"),
+        ("fp8_ue8m0_32", "none", "a quantized SWA cache needs quant='qat'"),
+    ],
+)
+def test_swa_key_rows_refuses_a_cache_it_cannot_fill(
+    impl: str, fmt: str, quant: str, message: str
+) -> None:
+    # The Triton wrapper checks before it launches anything: CPU tensors reach the same errors.
+    if impl == "kernels":
+        pytest.importorskip("triton")
+        from dsv4cp.kernels.swa import swa_key_rows
+    else:
+        from dsv4cp.ops import swa_key_rows
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        swa_key_rows(x, torch.arange(4), None, 1e-6, 16, 1e4, None, quant, fmt, torch.uint8)

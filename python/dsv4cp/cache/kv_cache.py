@@ -170,8 +170,8 @@ class KVCache:
             )
         self.req_to_token = req_to_token
         self.max_requests, self.max_context = req_to_token.shape
-        # windowed: one pending row per request row, then the dummy row
-        self.pair_dummy_row = self.max_requests if self.windowed else 0
+        # windowed: one pending row per request row, then a spare row (the former dummy row:
+        # nothing writes it since -1 means "no row"; cache_bytes and the tests still count it)
         pair_rows = self.max_requests + 1 if self.windowed else num_slots
         # swa_slots at an even page size: even SWA slots only (row swa_slot // 2)
         self.pair_div = 2 if swa_slots is not None and page_size % 2 == 0 else 1

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
-from dsv4cp.ops.kv_format import KVFormat, check_format, row_width
+from dsv4cp.ops.kv_format import KVFormat, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
+from dsv4cp.ops.swa import check_swa_rows_args
 
 
 def swa_key(
@@ -76,11 +77,7 @@ def swa_key_rows(
 ) -> Tensor:
     """Triton twin of ops.swa.swa_key_rows: the stored rows from one pass (codes and ue8m0 scale
     bytes straight from the quantizer in registers when the rows are uint8)."""
-    if check_format(fmt) not in ("dense", "fp8_ue8m0_32"):
-        raise ValueError(f"swa_key_rows: the SWA cache is dense or fp8_ue8m0_32, got {fmt}")
-    qat = check_quant_mode(quant) == "qat"
-    if fmt != "dense" and not qat:
-        raise ValueError("swa_key_rows: a quantized SWA cache needs quant='qat'")
+    qat = check_swa_rows_args(fmt, quant)
     stored = stored_dtype or kv_raw.dtype
     encode = stored == torch.uint8 and fmt != "dense"
     t, d = kv_raw.shape

@@ -70,6 +70,17 @@ def store_swa_k(
     cache.index_copy_(0, slots.long(), key)
 
 
+def check_swa_rows_args(fmt: KVFormat, quant: QuantMode) -> bool:
+    """ValueError unless an SWA cache of numerics `fmt` can hold keys of `quant` (the kernel and
+    the twin of `swa_key_rows` both call this); returns whether quant is qat."""
+    if check_format(fmt) not in ("dense", "fp8_ue8m0_32"):
+        raise ValueError(f"swa_key_rows: the SWA cache is dense or fp8_ue8m0_32, got {fmt}")
+    qat = check_quant_mode(quant) == "qat"
+    if fmt != "dense" and not qat:
+        raise ValueError("swa_key_rows: a quantized SWA cache needs quant='qat'")
+    return qat
+
+
 def swa_key_rows(
     kv_raw: Tensor,
     positions: Tensor,
@@ -86,10 +97,7 @@ def swa_key_rows(
     kv_raw's): `stored_rows(swa_key(...))`, except that codes come from quantizing the key once,
     before its fake quant (re-quantizing the fake-fp8 key gives the same values, but half the
     scale and double codes in a block whose top code rounded to 224; docs/caches.md)."""
-    if check_format(fmt) not in ("dense", "fp8_ue8m0_32"):
-        raise ValueError(f"swa_key_rows: the SWA cache is dense or fp8_ue8m0_32, got {fmt}")
-    if fmt != "dense" and check_quant_mode(quant) != "qat":
-        raise ValueError("swa_key_rows: a quantized SWA cache needs quant='qat'")
+    check_swa_rows_args(fmt, quant)
     stored = stored_dtype or kv_raw.dtype
     if fmt != "dense" and stored == torch.uint8:
         key = _qat_key(kv_raw, positions, norm_weight, eps, rope_dim, theta, yarn)
