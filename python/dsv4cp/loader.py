@@ -40,6 +40,7 @@ from dsv4cp.checkpoint.header import safetensors_dtype, torch_dtype
 from dsv4cp.checkpoint.validate import check_quantized_weight
 from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import TABLE_NAMES, Engram
+from dsv4cp.layers.linear import KEEP_BF16_ENV, KeptWeights, kept_weights_scope
 from dsv4cp.layers.moe import MoE
 from dsv4cp.ops.engram import RowSource
 from dsv4cp.ops.engram_hash import NgramHasher
@@ -68,6 +69,8 @@ class DeepseekV41Model(Protocol):
 
     def checkpoint_weights(self) -> dict[str, Tensor]: ...
 
+    def keep_dequantized_weights(self, scope: KeptWeights = "attention") -> int: ...
+
     def attach_engram(
         self, hasher: NgramHasher, tables: dict[int, tuple[RowSource, RowSource]]
     ) -> None: ...
@@ -82,6 +85,7 @@ class LoadReport:
     widened: list[str] = field(default_factory=list)
     engram_tables: list[str] = field(default_factory=list)
     skipped: dict[str, list[str]] = field(default_factory=dict)
+    kept_bf16_bytes: int = 0  # bf16 copies of fp8 weights held ($DSV4CP_KEEP_BF16_WEIGHTS)
     seconds: float = 0.0
 
 
@@ -278,5 +282,12 @@ def load_checkpoint(
         if model.engram_layers:
             tables = _engram_tables(reader, model, report)
             model.attach_engram(_hasher(path, model), tables)
+    scope = kept_weights_scope()
+    if scope != "off":
+        report.kept_bf16_bytes = model.keep_dequantized_weights(scope)
+        say(
+            f"dsv4cp: {KEEP_BF16_ENV}={scope}: holding bf16 copies of fp8 weights, "
+            f"{report.kept_bf16_bytes / 2**30:.2f} GiB"
+        )
     report.seconds = time.perf_counter() - t0
     return report

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.engram_hashes import EngramHashes
 from dsv4cp.layers.hyper_connections import hc_collapse
+from dsv4cp.layers.linear import KeptWeights, keep_dequantized_weights
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
@@ -153,6 +154,20 @@ class DeepseekV41Model(nn.Module):
             block.moe_backend = backend
 
     # ------------------------------------------------------------------ weights
+    def keep_dequantized_weights(self, scope: KeptWeights = "attention") -> int:
+        """Hold bf16 copies of fp8 weights for the cuBLAS GEMM route (`Linear.keep_dequantized`):
+        "attention" — the attention layers' projections; "all" — every fp8 linear (also the
+        shared experts and Engram's); "off" — none (drops any held). Returns the bytes held."""
+        if scope not in get_args(KeptWeights):
+            raise ValueError(
+                f"keep_dequantized_weights: scope {scope!r} not in {get_args(KeptWeights)}"
+            )
+        keep_dequantized_weights(self, False)
+        if scope == "off":
+            return 0
+        parts = [b.attn for b in self.blocks] if scope == "attention" else [self]
+        return sum(keep_dequantized_weights(m) for m in parts)
+
     def checkpoint_weights(self) -> dict[str, Tensor]:
         """Checkpoint name → the model's tensor (views), Engram tables excepted."""
         out: dict[str, Tensor] = {

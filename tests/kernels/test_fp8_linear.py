@@ -100,3 +100,31 @@ def test_rows_valid_zeroes_rows_inside_the_quantization() -> None:
     got = fp8_linear(x, w, scale, rows_valid=valid)
     assert bool((got[~valid] == 0).all())
     assert torch.equal(got, dequant_mm(x.masked_fill(~valid[:, None], 0), w, scale))
+
+
+def test_kept_dense_weight_is_what_the_cublas_route_reads() -> None:
+    """`Linear.keep_dequantized`: the cuBLAS route multiplies by the kept bf16 copy (a different
+    copy gives that weight's product) and the output keeps its bits (the copy is the same exact
+    bf16 weight the route dequantized per call)."""
+    from dsv4cp.layers.linear import Linear
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    m, n, k = 1024, 1280, 5120
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    weights = []
+    for _ in range(2):
+        w = (torch.randn(n, k, device="cuda", generator=g) * 64).to(torch.float8_e4m3fn)
+        shape = ops_linear.fp8_scale_shape(n, k)
+        s = torch.randint(118, 124, shape, device="cuda", dtype=torch.uint8, generator=g)
+        weights.append((w, s.view(torch.float8_e8m0fnu)))
+    lin = Linear(k, n, storage="fp8", dtype=torch.bfloat16, device="cuda")
+    lin.weight.copy_(weights[0][0])
+    assert lin.scale is not None
+    lin.scale.copy_(weights[0][1])
+    before = lin(x)
+    assert lin.keep_dequantized() == n * k * 2
+    assert torch.equal(lin(x), before)
+    other = ops_linear.dequant_fp8_blocks(*weights[1], out_dtype=torch.bfloat16)
+    got = fp8_linear(x, *weights[0], dense=other)
+    assert torch.equal(got, dequant_mm(x, *weights[1]))
+    assert not torch.equal(got, before)

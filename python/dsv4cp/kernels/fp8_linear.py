@@ -40,6 +40,7 @@ from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.kernels.fp8_dequant import dequant_fp8_blocks
 from dsv4cp.ops.linear import (
     WEIGHT_BLOCK,
+    check_dense_weight,
     check_fp8_blocks,
     check_rows_valid,
     zero_invalid_rows,
@@ -244,13 +245,17 @@ def fp8_linear(
     *,
     out_dtype: torch.dtype | None = None,
     rows_valid: Tensor | None = None,
+    dense: Tensor | None = None,
 ) -> Tensor:
     """Kernel twin of `ops.linear.fp8_linear`: x [..., K] -> [..., N] in out_dtype (default
     x.dtype); w float8_e4m3fn [N, K], w_scale [ceil(N/32), ceil(K/32)] (e8m0 or float). Large
     bf16 GEMMs take cuBLAS over exact bf16 operands (module docstring), zeroing the rows where
-    `rows_valid` is False inside the activation quantization (no pass of its own)."""
+    `rows_valid` is False inside the activation quantization (no pass of its own); `dense` (the
+    weight kept dequantized, bf16 [N, K]) replaces that route's per-call dequantization."""
     if _gemm_backend(x, out_dtype or x.dtype) == "cublas":
-        return dequant_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid)
+        return dequant_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid, dense=dense)
+    n, k = _check_gemm_args(x, w, w_scale)
+    check_dense_weight(dense, n, k)
     x = zero_invalid_rows(x, rows_valid)
     return launch_fp8_linear(x, w, w_scale, out_dtype=out_dtype)
 
@@ -269,12 +274,15 @@ def dequant_mm(
     *,
     out_dtype: torch.dtype | None = None,
     rows_valid: Tensor | None = None,
+    dense: Tensor | None = None,
 ) -> Tensor:
     """fp8_linear through cuBLAS: act_quant_fp8's codes × scales and the weight's codes × block
-    scales as exact bf16 operands, one bf16 GEMM (fp32 accumulation in cuBLAS's order)."""
+    scales as exact bf16 operands, one bf16 GEMM (fp32 accumulation in cuBLAS's order). `dense`:
+    the weight's codes × block scales kept from an earlier call (else dequantized here)."""
     n, k = _check_gemm_args(x, w, w_scale)
+    check_dense_weight(dense, n, k)
     a = quantized_act_bf16(x.reshape(-1, k), check_rows_valid(x, rows_valid))
-    out = torch.mm(a, dequant_weight_bf16(w, w_scale).t())
+    out = torch.mm(a, (dense if dense is not None else dequant_weight_bf16(w, w_scale)).t())
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
 
 

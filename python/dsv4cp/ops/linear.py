@@ -176,17 +176,32 @@ def fp8_linear(
     *,
     out_dtype: torch.dtype | None = None,
     rows_valid: Tensor | None = None,
+    dense: Tensor | None = None,
 ) -> Tensor:
     """Reference `linear()` for an F8_E4M3 weight: x [..., K] -> [..., N] in out_dtype (default
     x.dtype); act_quant_fp8(x, 32), then the block-scaled GEMM with fp32 accumulation.
     `rows_valid` (bool, x.shape[:-1]): the rows where it is False are zeroed first (padding
-    rows, docs/invariants.md invariant 5)."""
+    rows, docs/invariants.md invariant 5). `dense`: the weight already dequantized to bf16
+    (`layers.linear.Linear.keep_dequantized`), which the kernel's cuBLAS route multiplies by
+    instead of dequantizing per call; checked here, not read (the block sums read the codes)."""
     n, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, "fp8_linear")
+    check_dense_weight(dense, n, k)
     x = zero_invalid_rows(x, rows_valid)
     a, a_scale = _quantized_act(x, k, "fp8_linear")
     b_scale = scale_to_float(w_scale).repeat_interleave(WEIGHT_BLOCK, 0)[:n]  # per output row
     y = _block_scaled_matmul(a, a_scale, w.float(), b_scale, WEIGHT_BLOCK)
     return y.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
+
+
+def check_dense_weight(dense: Tensor | None, n: int, k: int) -> None:
+    """A kept dequantized copy of an fp8 weight [N, K] must be bf16 [N, K] with unit stride."""
+    if dense is None:
+        return
+    if dense.dtype != torch.bfloat16 or tuple(dense.shape) != (n, k) or dense.stride(-1) != 1:
+        raise ValueError(
+            f"fp8_linear: dense weight must be contiguous bf16 [{n}, {k}], got {dense.dtype} "
+            f"{tuple(dense.shape)} stride {tuple(dense.stride())}"
+        )
 
 
 def check_rows_valid(x: Tensor, rows_valid: Tensor | None) -> Tensor | None:
