@@ -5,9 +5,11 @@ this rank's local rows (`local`, and `local_ids`: the global token of each local
 padding), the CP group and the CP layout. "Reads are local, writes are global": queries use
 `local`, cache writes use the gathered global rows.
 
-`cross` is the one thing layers write for later layers, per compress ratio: the top-k of the
-latest index source and the candidate blocks of the candidate source. (Index keys are read from
-the kv source's index cache, not passed along.)
+`cross` is the one thing layers write for later layers: per compress ratio the top-k of the
+latest index source and the candidate blocks of the candidate source, and `attention`, what the
+layers' sparse attention computes alike (window rows, the top-k's compressed rows, the kernels'
+workspace). (Index keys are read from the kv source's index cache, not passed along.) A context
+lives for one forward: the runner, the SGLang engine and every graph capture build a new one.
 """
 
 from __future__ import annotations
@@ -24,11 +26,27 @@ from dsv4cp.cp.layout import CPLayout
 
 
 @dataclass
+class AttentionMemo:
+    """What the attention layers of one forward compute alike, kept for the next layer: the
+    window's SWA rows (the same for every layer), the compressed rows of the latest top-k (the
+    same for every layer that reads that top-k through that kv source), and the kernels' last
+    sparse-attention workspace (`ops.workspace_rows.WorkspaceMemo`, FlashMLA's bf16 rows and
+    remapped indices: a later call with the same index tensors decodes only its own SWA rows
+    into it). A layer that publishes a top-k computes its rows and workspace afresh."""
+
+    window: Tensor | None = None  # [L, W] int32 SWA cache rows, −1 none
+    comp_key: tuple[int, int, int] | None = None  # (ratio, kv source, top-k layer) of `comp`
+    comp: Tensor | None = None  # [L, K] int32 compressed cache rows, −1 none
+    workspace: object | None = None  # the sparse-attention kernel's memo
+
+
+@dataclass
 class CrossLayer:
     """Per compress ratio: what one layer of a forward leaves for the later ones."""
 
     topk: dict[int, Tensor] = field(default_factory=dict)  # written by each index source
     candidates: dict[int, Tensor] = field(default_factory=dict)  # by the candidate source
+    attention: AttentionMemo = field(default_factory=AttentionMemo)
 
 
 @dataclass

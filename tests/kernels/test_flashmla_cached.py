@@ -29,6 +29,7 @@ from dsv4cp.kernels import attention as triton_attention
 from dsv4cp.kernels import flashmla
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.ops.kv_format import decode_rows, encode_rows
+from dsv4cp.ops.workspace_rows import WorkspaceMemo
 from tests.kernels.test_flashmla_dispatch import FakeFlashMLA
 
 FP8, FP4 = "fp8_ue8m0_32", "fp4_e4m3_16"
@@ -246,3 +247,99 @@ def test_layers_on_the_flashmla_path_equal_the_ops_path(
         assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), i
     assert len(seen) == len(ids) and all(s is not None for s in seen)
     assert len(mod.calls) == len(ids)  # every layer went through (fake) FlashMLA
+
+
+# ------------------------------------------------------------------ the workspace, layer to layer
+
+
+def test_the_next_layer_reuses_the_numbering_and_decodes_only_its_own_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A memo hit (the same index tensors): the same workspace tensors come back, the SWA rows
+    decoded from the new layer's cache (equal to a fresh build over it), the compressed rows
+    not decoded again; other index tensors (equal values), another bound or row span: a new
+    build."""
+    decoded: list[int] = []
+    decode = flashmla._decode
+
+    def counted(cache, src, fmt, d, out):  # type: ignore[no-untyped-def]
+        decoded.append(cache.shape[0])
+        decode(cache, src, fmt, d, out)
+
+    monkeypatch.setattr(flashmla, "_decode", counted)
+    q, swa, win, comp, top, sink = _caches(seed=3)
+    swa2 = encode_rows(torch.randn(90, 512), FP8, dense_dtype=torch.bfloat16)
+    memo = WorkspaceMemo()
+    rows = slice(0, q.shape[0])
+    first = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None)
+    kv, idx = flashmla.build_workspace(first, rows, 512, torch.bfloat16, memo=memo)
+    named_comp = idx[:, win.shape[1] :]
+    named_comp = named_comp[named_comp >= 0].unique().long()
+    comp_part = kv[named_comp].clone()
+    second = flashmla.workspace_sources(swa2, win, comp, top, FP8, FP4, None)
+    kv2, idx2 = flashmla.build_workspace(second, rows, 512, torch.bfloat16, memo=memo)
+    assert kv2 is kv and idx2 is idx
+    assert decoded == [90, 70, 90]  # both sources, then the new SWA cache only
+    fresh_kv, fresh_idx = flashmla.build_workspace(second, rows, 512, torch.bfloat16)
+    assert torch.equal(fresh_idx, idx2)
+    named = idx2[idx2 >= 0].unique().long()
+    assert torch.equal(kv2[named], fresh_kv[named])
+    assert torch.equal(kv2[named_comp], comp_part)  # the same compressed cache: not re-decoded
+    # the same caches again (fresh views): the SWA rows decoded again (a layer writes its SWA
+    # cache before its attention), the compressed rows not
+    kv3, _ = flashmla.build_workspace(
+        flashmla.workspace_sources(swa2[:], win, comp, top, FP8, FP4, None), rows, 512,
+        torch.bfloat16, memo=memo,
+    )  # fmt: skip
+    assert kv3 is kv and torch.equal(kv3[named], fresh_kv[named])
+    assert decoded == [90, 70, 90, 90, 70, 90]  # + the fresh build's two, then SWA only
+    for sources, span in (
+        (flashmla.workspace_sources(swa2, win.clone(), comp, top, FP8, FP4, None), rows),
+        (flashmla.workspace_sources(swa2, win, comp, top, FP8, FP4, (80, 70)), rows),
+        (second, slice(0, q.shape[0] - 1)),
+    ):
+        kv4, _ = flashmla.build_workspace(sources, span, 512, torch.bfloat16, memo=memo)
+        assert kv4 is not kv
+        kv = kv4
+
+
+def test_layers_share_the_workspace_and_equal_the_ops_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny config's six roles in order, one context, FlashMLA's head shape: each layer's
+    output equals the ops path; the reuse layers take the window and the compressed rows the
+    earlier layers made (the same tensors) and number no rows (no `mark_rows` call), the layers
+    that publish a top-k (and the first layer) number theirs."""
+    from benchmarks.layer_peer import build_layers
+
+    import dsv4cp.layers.attention as layer_module
+
+    _install(monkeypatch, QatFakeFlashMLA())
+    cfg = DeepseekV41Config.tiny(num_attention_heads=64, head_dim=512, qk_rope_head_dim=64)
+    ids = tuple(range(cfg.num_hidden_layers))
+    layers = build_layers(cfg, ids, torch.bfloat16, "cpu", quant="qat")
+    ctx = _context(cfg, [(20, 13), (0, 9), (37, 6)], quant="qat")
+    x = torch.randn(ctx.meta.tokens.num_rows, cfg.hidden_size).bfloat16()
+    marks: list[int] = []
+    numbered = flashmla.ops_rows.mark_rows
+
+    def counted(*a, **kw):  # type: ignore[no-untyped-def]
+        marks.append(1)
+        return numbered(*a, **kw)
+
+    monkeypatch.setattr(flashmla.ops_rows, "mark_rows", counted)
+    want = {}
+    for i in ids:  # the ops path, its own context (no FlashMLA, no workspace)
+        want[i] = layers[i].forward(x, ctx)
+    ctx = _context(cfg, [(20, 13), (0, 9), (37, 6)], quant="qat")
+    windows, comps, per_layer = [], [], []
+    monkeypatch.setattr(layer_module, "sparse_attention_cached", flashmla.sparse_attention_cached)
+    for i in ids:
+        before = len(marks)
+        got = layers[i].forward(x, ctx)
+        per_layer.append(len(marks) - before)
+        windows.append(ctx.cross.attention.window)
+        comps.append(ctx.cross.attention.comp)
+        assert torch.allclose(got.float(), want[i].float(), atol=2e-2, rtol=2e-2), i
+    assert all(w is windows[0] for w in windows)
+    assert comps[2] is comps[1] and comps[4] is comps[3] and comps[5] is not comps[4]
+    # layer 0: one source; publishers 1, 3, 5: two; reuse layers 2 and 4: none
+    assert per_layer == [1, 2, 0, 2, 0, 2]

@@ -38,6 +38,7 @@ from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.ops import workspace_rows as ops_rows
 from dsv4cp.ops.kv_format import decode_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.ops.workspace_rows import WorkspaceMemo, same_rows
 
 ENV_FLAG = "DSV4CP_FLASHMLA"
 HEADS = (64, 128)
@@ -184,11 +185,14 @@ def sparse_attention_cached(
     quant: QuantMode = "none",
     *,
     workspace_rows: tuple[int, int] | None = None,
+    workspace_memo: WorkspaceMemo | None = None,
 ) -> Tensor:
     """Twin of ops.attention.sparse_attention_cached on CUDA: FlashMLA's sparse prefill over a
     chunk-bounded bf16 workspace where FlashMLA takes the query, else the Triton cached kernel
     (said once in the log, with the reason). `workspace_rows` = (SWA rows, compressed rows): upper
-    bounds on the distinct rows the indices name (the layer knows them from the batch)."""
+    bounds on the distinct rows the indices name (the layer knows them from the batch).
+    `workspace_memo`: a one-chunk workspace is kept there and reused by a later call with the
+    same index tensors (`build_workspace`)."""
     triton_attention.check_sparse_attention_cached(
         q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
     )
@@ -204,7 +208,9 @@ def sparse_attention_cached(
     d = q.shape[2]
     spans = chunks(q.shape[0], sources, d * 2)
     if len(spans) == 1:  # FlashMLA's output is the result: no copy into another buffer
-        kv, idx = build_workspace(sources, slice(0, q.shape[0]), d, torch.bfloat16)
+        kv, idx = build_workspace(
+            sources, slice(0, q.shape[0]), d, torch.bfloat16, memo=workspace_memo
+        )
         return _flashmla(q, kv, idx, sink, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for a, b in spans:
@@ -248,7 +254,11 @@ def chunks(t: int, sources: list[_CachedSource], row_bytes: int) -> list[tuple[i
 
 
 def build_workspace(
-    sources: list[_CachedSource], rows: slice, d: int, dtype: torch.dtype
+    sources: list[_CachedSource],
+    rows: slice,
+    d: int,
+    dtype: torch.dtype,
+    memo: WorkspaceMemo | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The rows the queries `rows` reference, each decoded once into a dense workspace, and their
     indices remapped into it: (kv [B, d] in dtype, int32 indices [t, ΣK], −1 kept).
@@ -259,19 +269,45 @@ def build_workspace(
     columns (`workspace_rows`: Triton on CUDA and in the interpreter, the torch twins otherwise).
     B is the static bound `chunk_bound`; a count above it (a wrong bound) trips a device-side
     assert, never a silent wrong row. Rows past the count are never named and stay unwritten.
+
+    `memo` (`ops.workspace_rows.WorkspaceMemo`): when it holds a workspace numbered from these
+    very index tensors (the next layer of a forward), that workspace is returned with the first
+    source (the SWA cache, which every layer writes before its attention) decoded again into its
+    rows, and a later source too when its cache is not the one decoded there; else the new
+    workspace is kept in it. The caller empties it when a later source's rows may have changed
+    (the layer that publishes a top-k: its kv source was written before it).
     """
+    span = (rows.start, rows.stop)
     bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
+    if (
+        memo is not None
+        and memo.same_numbering([s[1] for s in sources], span, d)
+        and bounds == [b for _, b in memo.spans]
+    ):
+        assert memo.kv is not None and memo.indices is not None and memo.kv.dtype == dtype
+        for i, (cache, indices, fmt, _) in enumerate(sources):
+            held = memo.sources[i]
+            if i == 0 or not same_rows(cache, held[1]) or fmt != held[2]:
+                base, bound = memo.spans[i]
+                _decode(cache, memo.src[i], fmt, d, memo.kv[base : base + bound])
+                memo.sources[i] = (indices, cache, fmt)
+        return memo.kv, memo.indices
     device = sources[0][1].device
     numbering = k_rows if device.type == "cuda" or interpreting() else ops_rows
     kv = torch.empty((max(1, sum(bounds)), d), dtype=dtype, device=device)
     widths = [idx.shape[1] for _, idx, _, _ in sources]
     out = torch.empty((rows.stop - rows.start, sum(widths)), dtype=torch.int32, device=device)
     base, col = 0, 0
+    kept = memo if memo is not None else WorkspaceMemo()
+    kept.hold(kv, out, span, d)
     for (cache, indices, fmt, _), bound, width in zip(sources, bounds, widths):
         idx, part = indices[rows], out[:, col : col + width]
         col += width
         n = cache.shape[0]
+        kept.sources.append((indices, cache, fmt))
+        kept.spans.append((base, bound))
         if bound == 0:
+            kept.src.append(torch.empty(0, dtype=torch.int32, device=device))
             part.fill_(-1)
             continue
         mark = torch.zeros(n, dtype=torch.int32, device=device)
@@ -285,6 +321,7 @@ def build_workspace(
         src.scatter_(0, where, torch.arange(n, dtype=torch.int32, device=device))
         _decode(cache, src[:bound], fmt, d, kv[base : base + bound])
         numbering.remap_rows(idx, number, part, base, bound)
+        kept.src.append(src[:bound])
         base += bound
     return kv, out
 

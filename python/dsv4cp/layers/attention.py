@@ -39,6 +39,7 @@ from dsv4cp.observe.timing import stage
 from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.ops.workspace_rows import WorkspaceMemo
 from dsv4cp.routing import (
     compress_entries,
     grouped_wo_a,
@@ -416,20 +417,30 @@ class DeepseekV41Attention(nn.Module):
 
     def sparse_indices(self, ctx: ForwardContext) -> tuple[Tensor, Tensor | None]:
         """int32 rows of this layer's SWA cache [L, W] (the window) and, on compressed layers,
-        of the kv source's compressed cache [L, K_top] (the top-k entries); −1 = none."""
-        local, cache = ctx.local, ctx.cache
-        win = local.window_slots(self.window)  # positions p, p-1, …, -1 pads last
-        # ascending position, -1 pads last, as the reference's `get_window_topk_idxs` and sorted
-        # top-k do: the fp32 sums of the attention then add the same terms in the same order
-        n_win = (win >= 0).sum(dim=1, keepdim=True)
-        j = torch.arange(win.shape[1], device=win.device)
-        win = torch.where(j < n_win, win.gather(1, (n_win - 1 - j).clamp(min=0)), -1)
-        win = cache.swa_rows(win).to(torch.int32)
+        of the kv source's compressed cache [L, K_top] (the top-k entries); −1 = none.
+
+        The same tensors for every layer that reads the same rows (`ctx.cross.attention`): the
+        window's rows are the same in every layer, the compressed rows in every layer that reads
+        its kv source through the same top-k; the layer that publishes a top-k makes them."""
+        local, cache, memo = ctx.local, ctx.cache, ctx.cross.attention
+        win = memo.window
+        if win is None or win.shape[1] != self.window:
+            win = local.window_slots(self.window)  # positions p, p-1, …, -1 pads last
+            # ascending position, -1 pads last, as the reference's `get_window_topk_idxs` and
+            # sorted top-k do: the attention's fp32 sums then add the same terms in that order
+            n_win = (win >= 0).sum(dim=1, keepdim=True)
+            j = torch.arange(win.shape[1], device=win.device)
+            win = torch.where(j < n_win, win.gather(1, (n_win - 1 - j).clamp(min=0)), -1)
+            win = memo.window = cache.swa_rows(win).to(torch.int32)
         if not self.role.compressed:
             return win, None
-        r = self.role.ratio
-        comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
-        return win, comp.to(torch.int32)
+        r, topk_from = self.role.ratio, self.role.topk_from
+        assert topk_from is not None
+        key = (r, self._kv_source(), topk_from)
+        if memo.comp is None or memo.comp_key != key or topk_from == self.layer:
+            comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
+            memo.comp, memo.comp_key = comp.to(torch.int32), key
+        return win, memo.comp
 
     def workspace_rows(self, ctx: ForwardContext) -> tuple[int, int]:
         """Upper bounds, from the batch's shapes (no host sync), on the distinct SWA rows and
@@ -448,6 +459,14 @@ class DeepseekV41Attention(nn.Module):
             return swa, 0
         return swa, int(meta.workspaces[self.role.ratio].slots.shape[0])
 
+    def _workspace_memo(self, ctx: ForwardContext) -> WorkspaceMemo:
+        """The forward's sparse-attention workspace memo (`ctx.cross.attention.workspace`),
+        emptied by a layer that publishes a top-k: it wrote the rows the memo may hold."""
+        memo = ctx.cross.attention
+        if not isinstance(memo.workspace, WorkspaceMemo) or self.role.topk_from == self.layer:
+            memo.workspace = WorkspaceMemo()
+        return memo.workspace
+
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
         local, cache = ctx.local, ctx.cache
         win, comp_idx = self.sparse_indices(ctx)
@@ -464,6 +483,7 @@ class DeepseekV41Attention(nn.Module):
             cache.formats.compressed,
             self.quant,
             workspace_rows=self.workspace_rows(ctx),
+            workspace_memo=self._workspace_memo(ctx),
         )
         # Padding rows' outputs are zeroed by `forward` after wo_a (invariant 5).
         return rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)

@@ -15,6 +15,7 @@ from torch import Tensor
 from dsv4cp.ops.attention_quant import sparse_attention_qat
 from dsv4cp.ops.kv_format import decode_rows, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
+from dsv4cp.ops.workspace_rows import WorkspaceMemo
 
 
 def _attend(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -93,6 +94,7 @@ def sparse_attention_cached(
     quant: QuantMode = "none",
     *,
     workspace_rows: tuple[int, int] | None = None,
+    workspace_memo: WorkspaceMemo | None = None,
 ) -> Tensor:
     """Sparse attention over the keys swa[swa_indices] then comp[comp_indices], each cache
     stored in its format (`ops.kv_format`: dense, or quantized rows decoded here to fp32).
@@ -102,7 +104,8 @@ def sparse_attention_cached(
     Equal to `sparse_attention` ("none") or `attention_quant.sparse_attention_qat` ("qat": the
     reference's block order and probability rounding) over the dequantized rows concatenated in
     that order. `workspace_rows` (SWA rows, compressed rows) bounds the distinct rows the
-    indices name, for the CUDA path's bf16 workspace (`kernels/flashmla.py`); unused here.
+    indices name, for the CUDA path's bf16 workspace (`kernels/flashmla.py`); unused here, as
+    is `workspace_memo` (where the CUDA path keeps that workspace for the next layer).
     """
     t, h, d = q.shape
     if sink.shape != (h,):

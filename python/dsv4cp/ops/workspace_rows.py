@@ -5,12 +5,59 @@
 dense workspace: `mark_rows` marks the named rows, a prefix sum numbers them 0…n−1 in row order,
 and `remap_rows` rewrites each index as its row's number plus the source's offset in the
 workspace (−1 for an index outside the cache or a number past the workspace bound).
+
+`WorkspaceMemo` keeps the last workspace built for the next layer of the forward whose indices
+are the same tensors (`context.AttentionMemo`): its numbering is reused, the SWA source (each
+layer's own cache) is decoded again into its rows, the compressed rows only if their cache
+differs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
+
+
+@dataclass
+class WorkspaceMemo:
+    """The last workspace `kernels.flashmla.build_workspace` built: per source the index tensor
+    it numbered, the cache it decoded and the format (`sources`), its row span in `kv` and the
+    cache row of each workspace row (`spans`, `src`); the remapped indices; the query rows and
+    the row width. One entry: a build for other index tensors replaces it."""
+
+    sources: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (base, bound) in kv
+    src: list[Tensor] = field(default_factory=list)  # [bound] int32 cache rows, −1 none
+    kv: Tensor | None = None
+    indices: Tensor | None = None
+    rows: tuple[int, int] = (0, 0)
+    d: int = 0
+
+    def hold(self, kv: Tensor, indices: Tensor, rows: tuple[int, int], d: int) -> None:
+        """Start holding a new workspace (its sources are appended as they are numbered)."""
+        self.sources, self.spans, self.src = [], [], []
+        self.kv, self.indices, self.rows, self.d = kv, indices, rows, d
+
+    def same_numbering(self, indices: list[Tensor], rows: tuple[int, int], d: int) -> bool:
+        """True when `indices` are the very tensors (and rows, width) of the held workspace."""
+        if self.kv is None or rows != self.rows or d != self.d:
+            return False
+        if len(indices) != len(self.sources):
+            return False
+        return all(a is b for a, (b, _, _) in zip(indices, self.sources))
+
+
+def same_rows(a: Tensor, b: Tensor) -> bool:
+    """The same cache: one storage, offset, shape, strides and dtype (a fresh view of it too)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def mark_rows(idx: Tensor, mark: Tensor) -> None:
