@@ -9,9 +9,12 @@ running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once)
 (fewer, larger cuts). `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
-weights; 32 heads × 128, top-k 512, `--quant`): the ratio-2 index source (plain top-k over
-T/2 entries), the ratio-1 candidate source (top-k and the 2048 published blocks of 8 over T
-entries), the ratio-1 candidate consumer (top-k among the source's published blocks).
+weights; 32 heads × 128, top-k 512, `--quant`), or with `--prefix P` that many rows after P
+cached positions (one CP rank's rows of a chunk, e.g. `--tokens 2048 --prefix 126976`);
+`--pieces 4,16` also times those width splits against the planned one: the ratio-2 index
+source (plain top-k over T/2 entries), the ratio-1 candidate source (top-k and the 2048
+published blocks of 8 over T entries), the ratio-1 candidate consumer (top-k among the source's
+published blocks).
 
     PYTHONPATH=python python -m benchmarks.indexer_scan --out out/indexer_scan.json
 """
@@ -36,14 +39,15 @@ HEADS, DIM, TOP_K, BLOCKS, BLOCK_SIZE = 32, 128, 512, 2048, 8
 Variant = tuple[str, dict[str, Any]]  # (name, launch_mqa_topk keyword arguments)
 
 
-def _roles(t: int, quant: str) -> dict[str, Callable[[Variant], Any]]:
-    g = torch.Generator(device="cuda").manual_seed(t)
+def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant], Any]]:
+    """`t` query rows at positions prefix … prefix + t − 1 (one CP rank's rows: `--prefix`)."""
+    g = torch.Generator(device="cuda").manual_seed(t + prefix)
     q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16()
     w = torch.randn(t, HEADS, device="cuda", generator=g) / HEADS
-    k = torch.randn(t, DIM, device="cuda", generator=g).bfloat16()
-    pos = torch.arange(t, device="cuda")
+    k = torch.randn(prefix + t, DIM, device="cuda", generator=g).bfloat16()
+    pos = prefix + torch.arange(t, device="cuda")
     nv2, nv1 = ((pos + 1) // 2).to(torch.int32), (pos + 1).to(torch.int32)
-    k2 = k[: t // 2]
+    k2 = k[: (prefix + t) // 2]
     _, blocks = kernel.launch_mqa_topk(
         q, w, k, nv1, TOP_K, block_size=BLOCK_SIZE, max_blocks=BLOCKS, quant=quant
     )
@@ -70,6 +74,10 @@ def _same(a: Any, b: Any) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="16384", help="comma list of cold-prefill token counts")
+    ap.add_argument(
+        "--prefix", type=int, default=0, help="cached positions before the rows (a CP rank's)"
+    )
+    ap.add_argument("--pieces", default="", help="comma list of width splits to time as variants")
     ap.add_argument("--quant", choices=["qat", "none"], default="qat")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="", help="comma list of variant names (default all)")
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     variants += [(f"row_group={g}", {"row_group": g}) for g in (2, 8)]
     variants += [("cap=2048", {"cap": 2048})]
     variants += [(f"config={c}", {"config": c}) for c in CONFIGS if c != shipped]
+    variants += [(f"pieces={p}", {"pieces": int(p)}) for p in args.pieces.split(",") if p]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for t in (int(v) for v in args.tokens.split(",")):
-            for role, run in _roles(t, args.quant).items():
+            for role, run in _roles(t, args.quant, args.prefix).items():
                 base_ms, base_out = 0.0, None
                 for variant in variants:
                     out = run(variant)
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                         base_ms, base_out = ms["median_ms"], out
                     row = {
                         "tokens": t,
+                        "prefix": args.prefix,
                         "role": role,
                         "variant": variant[0],
                         "shipped": variant == variants[0],

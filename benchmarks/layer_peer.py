@@ -32,8 +32,15 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   replaced: `mqa_logits_cached` + selection, peer), sparse attention on the layer's own inputs
   (the layer's routed call = FlashMLA over its workspace incl. building it; the Triton cached
   kernel on the caches; the dense Triton kernel and FlashMLA on pre-decoded dense rows).
+- Layers run in order on one context, so each finds what the earlier ones left in
+  `ctx.cross.attention` as in the model's forward: a reuse layer the window's rows, its top-k's
+  compressed rows and the FlashMLA workspace of its group's first layer (it decodes only its
+  own SWA rows); the run's first layer starts empty on every call (it numbers the window).
 - CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
   tile the local shard; compute only) against (CP 1 time) / N.
+- `--keep-bf16-weights`: the layers hold bf16 copies of their fp8 projections
+  (`Linear.keep_dequantized`, what $DSV4CP_KEEP_BF16_WEIGHTS asks of the loader), so the GEMMs
+  skip the per-call weight dequantization; the peer shares the layer's projections, so both.
 
 Every case and layer is guarded: a failure is printed and recorded, the run goes on, and the
 JSON is written at the end (also when `--budget-s` runs out: the rest is marked skipped).
@@ -42,6 +49,7 @@ JSON is written at the end (also when `--budget-s` runs out: the rest is marked 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -62,11 +70,12 @@ from dsv4cp import ops, routing
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.context import ForwardContext
+from dsv4cp.context import AttentionMemo, ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
 from dsv4cp.layers import attention as layer_module
 from dsv4cp.layers.attention import DeepseekV41Attention
+from dsv4cp.layers.linear import keep_dequantized_weights
 from dsv4cp.model import init_random_
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.schedule import PrepareState, lanes_of
@@ -364,6 +373,10 @@ class Run:
         self.layers = build_layers(
             self.cfg, self.layer_ids, self.dtype, self.device, quant=self.quant
         )
+        self.kept_bytes = 0  # bf16 copies of the fp8 projections (`--keep-bf16-weights`)
+        if args.keep_bf16_weights:
+            self.kept_bytes = sum(keep_dequantized_weights(a) for a in self.layers.values())
+            print(f"kept bf16 copies of the layers' fp8 weights: {self.kept_bytes / 2**20:.1f} MiB")
         self.executors: dict[str, Executor] = {"serial": SERIAL}
         if self.device == "cuda":
             pool = StreamPool(
@@ -403,12 +416,12 @@ class Run:
             logits_topk=record_index if role.index_source else None,
             attention=record_attention,
         ):
-            layer.forward(x, ctx)  # also leaves this layer's records for the later layers
+            self.forward(layer, x, ctx)  # also leaves this layer's records for the later layers
         for name, ex in self.executors.items():
-            ms, how = self.timer(lambda ex=ex: layer.forward(x, ctx, ex))
+            ms, how = self.timer(lambda ex=ex: self.forward(layer, x, ctx, ex))
             if ms < row.get("dsv4cp_ms", float("inf")):
                 row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
-        layer.forward(x, ctx)  # later layers read records made eagerly, not in a graph
+        self.forward(layer, x, ctx)  # later layers read records made eagerly, not in a graph
         row["dsv4cp_indexer"] = "fused (layer)" if role.index_source else "-"
         row["dsv4cp_attention"] = _attention_backend(record["attn"][0])
         self.components(row, ctx, layer, record)
@@ -425,6 +438,20 @@ class Run:
             row["speedup_vs_peer"] = row["peer_ms"] / row["dsv4cp_ms"]
         return row
 
+    def forward(
+        self,
+        layer: DeepseekV41Attention,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        executor: Executor = SERIAL,
+    ) -> torch.Tensor:
+        """The layer's forward; the run's first layer starts from an empty `ctx.cross.attention`
+        (in the model the forward's first layer numbers the window's rows; every call here
+        does), the others find what the layers before them left, as in the model."""
+        if layer.layer == self.layer_ids[0]:
+            ctx.cross.attention = AttentionMemo()
+        return layer.forward(x, ctx, executor)
+
     def components(
         self, row: dict[str, Any], ctx: ForwardContext, layer: DeepseekV41Attention, rec: dict
     ) -> None:
@@ -433,7 +460,8 @@ class Run:
         valid = int((idx >= 0).sum().item())
         row["attn_keys_per_row"] = valid / max(1, idx.shape[0])
         row["attn_flops"] = 2.0 * layer.n_heads * (2 * layer.head_dim) * valid
-        cached, cached_kw = rec["attn"], rec["attn_kw"]
+        cached = rec["attn"]  # built afresh each call: not the workspace the next layer reuses
+        cached_kw = {k: v for k, v in rec["attn_kw"].items() if k != "workspace_memo"}
         row["attn_layer_ms"] = self.timer(
             lambda: routing.sparse_attention_cached(*cached, **cached_kw)
         )[0]
@@ -455,6 +483,7 @@ class Run:
         n_eff = scored if role.candidate_consumer else n_vis
         row["idx_flops"] = 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(n_eff.sum())
         saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
+        memo = dataclasses.replace(ctx.cross.attention)  # rows from dsv4cp's top-k, not the peer's
         fused = lambda: DeepseekV41Attention._logits_topk(layer, st)  # noqa: E731
         unfused_logits_topk(layer, st)
         want = ctx.cross.topk[r]
@@ -470,6 +499,7 @@ class Run:
             )[0]
         ctx.cross.topk.update(saved[0])
         ctx.cross.candidates.update(saved[1])
+        ctx.cross.attention = memo
 
     def sweep_fused(
         self, ctx: ForwardContext, layer: DeepseekV41Attention, st: PrepareState
@@ -511,6 +541,7 @@ class Run:
         rec: dict[str, Any],
     ) -> None:
         saved = (dict(ctx.cross.topk), dict(ctx.cross.candidates))
+        memo = dataclasses.replace(ctx.cross.attention)  # rows from dsv4cp's top-k, not the peer's
         dense_attention = (
             sglang_peer.flashmla_sparse_attention if self.flashmla else ops.sparse_attention
         )
@@ -522,9 +553,10 @@ class Run:
 
         index = sglang_peer.peer_logits_topk if layer.role.index_source else None
         with patched(layer, logits_topk=index, attention=attention):
-            row["peer_layer_ms"] = self.timer(lambda: layer.forward(x, ctx), graph=False)[0]
+            row["peer_layer_ms"] = self.timer(lambda: self.forward(layer, x, ctx), graph=False)[0]
         ctx.cross.topk.update(saved[0])
         ctx.cross.candidates.update(saved[1])
+        ctx.cross.attention = memo
         swa, comp = sglang_peer.workspace_rows(layer, ctx)
         cache, src = ctx.cache, layer.role.kv_source
         swa_pool = cache.swa[layer.layer]
@@ -587,12 +619,12 @@ class Run:
                 out.append(row)
                 continue
             try:
-                layer.forward(x, ctx)
+                self.forward(layer, x, ctx)
                 best = min(
-                    self.timer(lambda ex=ex, lay=layer: lay.forward(x, ctx, ex))[0]
+                    self.timer(lambda ex=ex, lay=layer: self.forward(lay, x, ctx, ex))[0]
                     for ex in self.executors.values()
                 )
-                layer.forward(x, ctx)  # eager records for the later layers
+                self.forward(layer, x, ctx)  # eager records for the later layers
                 row.update(rank_ms=best, cp1_ms=cp1[i], ideal_ms=cp1[i] / n)
                 row["rank_over_ideal"] = best / row["ideal_ms"]
                 row["replicated"] = _replicated(layer)
@@ -715,6 +747,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the fused kernel's configs")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--no-cp", dest="cp", action="store_false")
+    ap.add_argument(
+        "--keep-bf16-weights",
+        action="store_true",
+        help="hold bf16 copies of the fp8 projections (no per-call dequantization; both paths)",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, torch peer parts")
     ap.add_argument("--out", default="out/layer_peer.json")
     args = ap.parse_args(argv)
@@ -796,6 +833,7 @@ def report(
         "flashmla": None if run is None else run.flashmla,
         "quant": None if run is None else run.quant,
         "fused_indexer": "layer",
+        "kept_bf16_weight_bytes": None if run is None else run.kept_bytes,
         "rows": rows,
         "cp_rows": cp_rows,
         "targets": goals,
