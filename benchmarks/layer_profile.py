@@ -25,7 +25,8 @@ from benchmarks.layer_peer import build_layers, make_context
 from benchmarks.prefill import SoloCPGroup
 from benchmarks.profile_stages import by_stage
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.context import ForwardContext
+from dsv4cp.context import AttentionMemo, ForwardContext
+from dsv4cp.layers.linear import keep_dequantized_weights
 
 Stages = dict[str, list[dict[str, object]]]
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cp", default="1", help="comma list of CP sizes (rank 0 profiled)")
     ap.add_argument("--layers", default="0,2", help="comma list of Flash layer ids")
     ap.add_argument("--quant", choices=["qat", "none"], default="qat")
+    ap.add_argument(
+        "--keep-bf16-weights", action="store_true", help="bf16 copies of the fp8 projections"
+    )
     ap.add_argument("--rows", type=int, default=15)
     ap.add_argument("--stage-rows", type=int, default=6, help="kernels listed per stage")
     ap.add_argument("--out", default="out/layer_profile.json")
@@ -72,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         print("layer_profile: --cp lists CP 1 first (the others are compared with it)")
         return 2
     layers = build_layers(cfg, ids, torch.bfloat16, "cuda", quant=args.quant)
+    if args.keep_bf16_weights:
+        for layer in layers.values():
+            keep_dequantized_weights(layer)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     result: dict[str, object] = {
         "tokens": args.tokens, "prefix": args.prefix, "quant": args.quant, "cp": list(cps),
+        "kept_bf16_weights": args.keep_bf16_weights,
         "layers": {}, "cp_excess": {},
     }  # fmt: skip
     by_stage_all: dict[str, object] = {}
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 key = str(i) if len(cps) == 1 else f"cp{n}/{i}"
                 layers[i].forward(x, ctx)  # warm-up (compiles); the profiled call repeats it
                 torch.cuda.synchronize()
+                if i == ids[0]:  # the forward's first layer numbers the window (layer_peer too)
+                    ctx.cross.attention = AttentionMemo()
                 with torch.profiler.profile(activities=acts) as prof:
                     layers[i].forward(x, ctx)
                     torch.cuda.synchronize()
