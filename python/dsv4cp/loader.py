@@ -18,7 +18,9 @@ tensor is not fp8 (today's dense attention projections, `wo_a`) is dequantized w
 (the scale is then consumed); a float tensor stored narrower than the model holds it (bf16 into
 an fp32 model) is widened exactly. Every loaded tensor is checked finite (NaN/inf, fp8 NaN codes,
 e8m0 0xFF): an error names the tensor and its shard. A failed load leaves the model unusable;
-`DeepseekV41Model.from_checkpoint` then returns nothing. One progress line per block.
+`DeepseekV41Model.from_checkpoint` then returns nothing. One progress line per block. After the
+last tensor, `$DSV4CP_KEEP_BF16_WEIGHTS` (attention / all; default off, checked before anything
+is read) has the model hold bf16 copies of those fp8 weights (`keep_dequantized_weights`).
 """
 
 from __future__ import annotations
@@ -254,6 +256,7 @@ def load_checkpoint(
     """Load the checkpoint at `path` into `model` (see the module docstring); `progress` gets
     one line per block (default: the `dsv4cp.loader` logger at INFO)."""
     say = progress or logger.info
+    scope = kept_weights_scope()  # a bad value is refused before anything is read
     t0 = time.perf_counter()
     path = Path(path)
     report = LoadReport()
@@ -282,7 +285,6 @@ def load_checkpoint(
         if model.engram_layers:
             tables = _engram_tables(reader, model, report)
             model.attach_engram(_hasher(path, model), tables)
-    scope = kept_weights_scope()
     if scope != "off":
         report.kept_bf16_bytes = model.keep_dequantized_weights(scope)
         say(

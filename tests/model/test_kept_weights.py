@@ -139,3 +139,14 @@ def test_loader_keeps_the_scope_the_environment_names(
     assert isinstance(lin, Linear) and lin.dense is not None
     assert torch.equal(lin.dense, _dequantized(lin))  # made after the load, from loaded weights
     assert any("holding bf16 copies" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_scope_is_refused_before_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEEP_BF16_ENV, "bf16")
+    model = DeepseekV41Model(
+        DeepseekV41Config.from_hf(fx.CHECKPOINT), dtype=torch.bfloat16, seed=None
+    )
+    before = model.embed.clone()
+    with pytest.raises(ValueError, match=KEEP_BF16_ENV):
+        load_checkpoint(model, fx.CHECKPOINT, progress=lambda line: pytest.fail(line))
+    assert torch.equal(model.embed, before)  # nothing read
