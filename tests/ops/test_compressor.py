@@ -191,6 +191,7 @@ def test_compress_entries_pools_with_the_state_or_the_row_above() -> None:
         (dict(pair_state=(torch.zeros(4, 32), torch.zeros(5, 32))), "two contiguous"),
         (dict(emit_rows=torch.zeros(5, dtype=torch.long)), r"must be \[6\]"),
         (dict(entry_positions=torch.zeros(7, dtype=torch.long)), r"must be \[6\]"),
+        (dict(cache=torch.zeros(4, 32).bfloat16()), "a dense cache must be torch.float32"),
     ],
 )
 def test_compress_entries_refuses_rows_that_disagree(impl: str, change: dict, message: str) -> None:
@@ -224,3 +225,18 @@ def test_store_at_writes_kept_rows_only(rows: list[int]) -> None:
             _store_at(cache, torch.tensor(rows, dtype=torch.long), values)
         assert torch.equal(cache, want)
         assert not syncs.ops, syncs.ops
+
+
+@pytest.mark.parametrize("impl", ["ops", "kernels"])
+def test_store_index_keys_refuses_a_dense_cache_of_another_dtype(impl: str) -> None:
+    if impl == "kernels":
+        pytest.importorskip("triton")
+        from dsv4cp.kernels.compressor import store_index_keys
+    else:
+        from dsv4cp.ops import store_index_keys
+    latent = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="a dense cache must be torch.float32"):
+        store_index_keys(
+            latent, torch.randn(16, 32), None, 1e-6, torch.arange(4), torch.arange(4),
+            torch.zeros(4, 16).bfloat16(), "dense", 8, THETA,
+        )  # fmt: skip

@@ -19,8 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels.norm_rope import norm_rope_rows
-from dsv4cp.ops.compressor import check_entries_args
-from dsv4cp.ops.kv_format import KVFormat, check_format
+from dsv4cp.ops.compressor import check_entries_args, check_store_cache
+from dsv4cp.ops.kv_format import KVFormat
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.rope import YarnScaling
 
@@ -112,9 +112,8 @@ def index_key(
 
 def _store_mode(fmt: KVFormat, cache: Tensor, dtype: torch.dtype) -> tuple[str | None, bool]:
     """(fake quant, encode) of the kernel that stores keys of numerics fmt into `cache`."""
-    if check_format(fmt) == "dense":
-        if cache.dtype != dtype:
-            raise ValueError(f"compressor kernel: a dense cache must be {dtype}, is {cache.dtype}")
+    check_store_cache(fmt, cache, dtype)
+    if fmt == "dense":
         return None, False
     return _QUANT_OF[fmt], cache.dtype == torch.uint8
 

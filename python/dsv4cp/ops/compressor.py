@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.ops.attention_quant import fake_quant_compressed_key_fp4, fake_quant_index_fp4
-from dsv4cp.ops.kv_format import KVFormat, stored_rows
+from dsv4cp.ops.kv_format import KVFormat, check_format, stored_rows
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -91,6 +91,13 @@ def _store_at(cache: Tensor, rows: Tensor, values: Tensor) -> None:
     cache.index_put_((idx,), torch.where(keep[:, None], vals, fill))
 
 
+def check_store_cache(fmt: KVFormat, cache: Tensor, dtype: torch.dtype) -> None:
+    """ValueError when keys of dtype cannot be stored in `cache` as format fmt: a dense cache
+    holds them in their own dtype (its kernel and twin both call this; no silent cast)."""
+    if check_format(fmt) == "dense" and cache.dtype != dtype:
+        raise ValueError(f"compressor: a dense cache must be {dtype}, is {cache.dtype}")
+
+
 def check_entries_args(
     comp_kv: Tensor,
     pair_state: tuple[Tensor, Tensor] | None,
@@ -148,6 +155,7 @@ def compress_entries(
     row t pools with its partner, the state's row read_rows[t] when >= 0, else row t − 1 (zeros
     above row 0); then every row t with write_rows[t] >= 0 leaves its kv and gate there (after
     the reads). Ratio 1 (`pair_state` None): comp_kv [T, D] is the entry itself."""
+    check_store_cache(fmt, cache, dtype)
     d = check_entries_args(comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows)
     if pair_state is None:
         pooled = comp_kv
@@ -185,5 +193,6 @@ def store_index_keys(
 ) -> None:
     """cache[emit_rows] = stored_rows(index_key(latent, ...), fmt, cache.dtype) where emit_rows
     >= 0: the index keys as the index cache keeps them."""
+    check_store_cache(fmt, cache, latent.dtype)
     key = index_key(latent, wk, k_norm_weight, eps, entry_positions, rope_dim, theta, yarn)
     _store_at(cache, emit_rows, stored_rows(key, fmt, cache.dtype))
