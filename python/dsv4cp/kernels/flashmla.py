@@ -279,11 +279,7 @@ def build_workspace(
     """
     span = (rows.start, rows.stop)
     bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
-    if (
-        memo is not None
-        and memo.same_numbering([s[1] for s in sources], span, d)
-        and bounds == [b for _, b in memo.spans]
-    ):
+    if memo is not None and memo.same_numbering([s[1] for s in sources], bounds, span, d):
         assert memo.kv is not None and memo.indices is not None and memo.kv.dtype == dtype
         for i, (cache, indices, fmt, _) in enumerate(sources):
             held = memo.sources[i]
@@ -299,7 +295,7 @@ def build_workspace(
     out = torch.empty((rows.stop - rows.start, sum(widths)), dtype=torch.int32, device=device)
     base, col = 0, 0
     kept = memo if memo is not None else WorkspaceMemo()
-    kept.hold(kv, out, span, d)
+    kept.hold(kv, out, span)
     for (cache, indices, fmt, _), bound, width in zip(sources, bounds, widths):
         idx, part = indices[rows], out[:, col : col + width]
         col += width

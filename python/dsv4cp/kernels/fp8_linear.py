@@ -254,8 +254,8 @@ def fp8_linear(
     weight kept dequantized, bf16 [N, K]) replaces that route's per-call dequantization."""
     if _gemm_backend(x, out_dtype or x.dtype) == "cublas":
         return dequant_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid, dense=dense)
-    n, k = _check_gemm_args(x, w, w_scale)
-    check_dense_weight(dense, n, k)
+    if dense is not None:  # checked as on the cuBLAS route, though this kernel reads the codes
+        check_dense_weight(dense, *_check_gemm_args(x, w, w_scale))
     x = zero_invalid_rows(x, rows_valid)
     return launch_fp8_linear(x, w, w_scale, out_dtype=out_dtype)
 

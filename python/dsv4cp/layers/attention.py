@@ -437,7 +437,7 @@ class DeepseekV41Attention(nn.Module):
         r, topk_from = self.role.ratio, self.role.topk_from
         assert topk_from is not None
         key = (r, self._kv_source(), topk_from)
-        if memo.comp is None or memo.comp_key != key or topk_from == self.layer:
+        if memo.comp is None or memo.comp_key != key or self.role.index_source:
             comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
             memo.comp, memo.comp_key = comp.to(torch.int32), key
         return win, memo.comp
@@ -461,9 +461,10 @@ class DeepseekV41Attention(nn.Module):
 
     def _workspace_memo(self, ctx: ForwardContext) -> WorkspaceMemo:
         """The forward's sparse-attention workspace memo (`ctx.cross.attention.workspace`),
-        emptied by a layer that publishes a top-k: it wrote the rows the memo may hold."""
+        emptied by an index source (it publishes a top-k; its kv source wrote the rows the memo
+        may hold)."""
         memo = ctx.cross.attention
-        if not isinstance(memo.workspace, WorkspaceMemo) or self.role.topk_from == self.layer:
+        if not isinstance(memo.workspace, WorkspaceMemo) or self.role.index_source:
             memo.workspace = WorkspaceMemo()
         return memo.workspace
 

@@ -24,8 +24,8 @@ from torch import Tensor
 class WorkspaceMemo:
     """The last workspace `kernels.flashmla.build_workspace` built: per source the index tensor
     it numbered, the cache it decoded and the format (`sources`), its row span in `kv` and the
-    cache row of each workspace row (`spans`, `src`); the remapped indices; the query rows and
-    the row width. One entry: a build for other index tensors replaces it."""
+    cache row of each workspace row (`spans`, `src`); the remapped indices and the query rows.
+    One entry: a build for other index tensors replaces it."""
 
     sources: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (base, bound) in kv
@@ -33,20 +33,22 @@ class WorkspaceMemo:
     kv: Tensor | None = None
     indices: Tensor | None = None
     rows: tuple[int, int] = (0, 0)
-    d: int = 0
 
-    def hold(self, kv: Tensor, indices: Tensor, rows: tuple[int, int], d: int) -> None:
+    def hold(self, kv: Tensor, indices: Tensor, rows: tuple[int, int]) -> None:
         """Start holding a new workspace (its sources are appended as they are numbered)."""
         self.sources, self.spans, self.src = [], [], []
-        self.kv, self.indices, self.rows, self.d = kv, indices, rows, d
+        self.kv, self.indices, self.rows = kv, indices, rows
 
-    def same_numbering(self, indices: list[Tensor], rows: tuple[int, int], d: int) -> bool:
-        """True when `indices` are the very tensors (and rows, width) of the held workspace."""
-        if self.kv is None or rows != self.rows or d != self.d:
+    def same_numbering(
+        self, indices: list[Tensor], bounds: list[int], rows: tuple[int, int], d: int
+    ) -> bool:
+        """True when `indices` are the very tensors (with the same bounds, query rows and row
+        width) of the held workspace."""
+        if self.kv is None or rows != self.rows or d != self.kv.shape[1]:
             return False
-        if len(indices) != len(self.sources):
+        if bounds != [b for _, b in self.spans]:
             return False
-        return all(a is b for a, (b, _, _) in zip(indices, self.sources))
+        return all(a is b for a, (b, _, _) in zip(indices, self.sources, strict=True))
 
 
 def same_rows(a: Tensor, b: Tensor) -> bool:
