@@ -6,7 +6,9 @@ qat the shipped config also runs with `key_bits=32` (the running top-k's 32-step
 was shipped before the 16-step one for bf16 scores) and with `packed=False` (qat's bf16
 roundings one value per instruction, what was shipped before the two-value inline PTX). The
 running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once), `cap` 2048
-(fewer, larger cuts). `--only` picks variants by name.
+(fewer, larger cuts). `route=scan` and `route=logits` time the plain top-k's two routes
+(`kernel.pick_route`: the shipped one is picked by width) on the index source. `--only` picks
+variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights; 32 heads × 128, top-k 512, `--quant`), or with `--prefix P` that many rows after P
@@ -81,19 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", choices=["qat", "none"], default="qat")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="", help="comma list of variant names (default all)")
+    ap.add_argument("--roles", default="", help="comma list of role names (default all)")
     ap.add_argument("--out", default="out/indexer_scan.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("indexer_scan: needs a CUDA GPU", file=sys.stderr)
         return 2
     shipped = kernel.DEFAULT_CONFIG
-    variants: list[Variant] = [("shipped", {})]
+    variants: list[Variant] = [("shipped", {"route": "auto"})]
     if args.quant == "qat":
         variants += [("key_bits=32", {"key_bits": 32}), ("packed=False", {"packed": False})]
     variants += [(f"row_group={g}", {"row_group": g}) for g in (2, 8)]
     variants += [("cap=2048", {"cap": 2048})]
     variants += [(f"config={c}", {"config": c}) for c in CONFIGS if c != shipped]
     variants += [(f"pieces={p}", {"pieces": int(p)}) for p in args.pieces.split(",") if p]
+    variants += [("route=scan", {}), ("route=logits", {"route": "logits"})]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]
@@ -102,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for t in (int(v) for v in args.tokens.split(",")):
             for role, run in _roles(t, args.quant, args.prefix).items():
+                if args.roles and role not in args.roles.split(","):
+                    continue
                 base_ms, base_out = 0.0, None
                 for variant in variants:
+                    if variant[0] == "route=logits" and role != "r2 index source":
+                        continue  # the logits route takes the plain top-k only
                     out = run(variant)
                     ms = time_cuda(lambda v=variant, f=run: f(v), warmup=2, iters=args.iters)
                     if base_out is None:

@@ -6,7 +6,8 @@ the chunk-bounded bf16 workspace, and the fused index logits + top-k over the in
   within the stated tolerance (max |diff| ≤ 2e-2, relative L2 ≤ 1e-2: FlashMLA's bf16 p·v and
   exp2 order), and against the Triton cached kernel; chunked calls equal one call bit for bit;
 - the fused `mqa_topk_cached` equals the unfused GPU path (the cached-logits kernel + the
-  selection) bit for bit for the full top-k and the candidate source, both numerics (a consumer
+  selection) bit for bit for the full top-k (on both of its routes: the scan, and the logits
+  to memory then the selection kernel) and the candidate source, both numerics (a consumer
   at this width takes the gather kernel, whose head sum is a tree: ≥ 99 % of rows), and the ops
   twin (fp64 dots) but for ties at the cut;
 - one Flash-dims layer stack (roles 0, 2, 3 of Flash) forward on the fast path against the
@@ -113,9 +114,14 @@ def _index_inputs(t: int, n: int, seed: int, qat: bool):
 
 
 @pytest.mark.parametrize("quant", ["none", "qat"])
-@pytest.mark.parametrize("role", ["full", "source", "consumer"])
-def test_fused_cached_topk_equals_the_unfused_gpu_path(quant: str, role: str) -> None:
+@pytest.mark.parametrize("role", ["full", "full-logits", "source", "consumer"])
+def test_fused_cached_topk_equals_the_unfused_gpu_path(
+    quant: str, role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     t, n, k_top, bs = 512, 6000, 512, 8
+    # "full" scans; "full-logits" takes the plain top-k's logits route (`pick_route` by width)
+    monkeypatch.setattr(fused, "LOGITS_ROUTE_MAX_WIDTH", n if role == "full-logits" else 0)
+    role = role.removesuffix("-logits")
     q, w, cache, rows, nv, fmt = _index_inputs(t, n, 3, quant == "qat")
     logits = routing.kernel_of("mqa_logits_cached")(
         q, w, cache, rows, nv, width=n, k_format=fmt, quant=quant

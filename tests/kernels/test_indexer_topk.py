@@ -45,13 +45,15 @@ def _equal(got: torch.Tensor, want: torch.Tensor) -> None:
         (1, 700, 8, None),
     ],
 )
-def test_full_topk_matches_ops(t: int, n: int, k_top: int, width: int | None) -> None:
+@pytest.mark.parametrize("route", ["scan", "logits"])
+def test_full_topk_matches_ops(t: int, n: int, k_top: int, width: int | None, route: str) -> None:
     q, w, k, g = _ints(t, n, seed=t + n)
     nv = torch.randint(0, n + 1, (t,), device="cuda", generator=g)
     if t >= 4:
         nv[:4] = torch.tensor([n, 0, k_top, k_top + 1], device="cuda")
     want = ops.mqa_topk(q, w, k, nv, k_top, width=width)
-    _equal(routing.mqa_topk(q, w, k, nv, k_top, width=width), want)
+    _equal(launch_mqa_topk(q, w, k, nv, k_top, width=width, route=route)[0], want)
+    _equal(routing.mqa_topk(q, w, k, nv, k_top, width=width), want)  # the width's pick
 
 
 def test_two_requests_causal() -> None:
@@ -61,6 +63,9 @@ def test_two_requests_causal() -> None:
     nv = torch.cat([4000 + torch.arange(1, 701), torch.arange(1, 837) * 5]).cuda()
     want = ops.mqa_topk(q, w, k, nv, 512, k_start=ks, width=4700)
     _equal(routing.mqa_topk(q, w, k, nv, 512, k_start=ks, width=4700), want)
+    for route in ("scan", "logits"):
+        got = launch_mqa_topk(q, w, k, nv, 512, k_start=ks, width=4700, route=route)[0]
+        _equal(got, want)
 
 
 def test_candidate_source_and_consumer() -> None:

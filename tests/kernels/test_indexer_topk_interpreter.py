@@ -30,6 +30,7 @@ CASES = (
     "consumer_gather",
     "random_floats_tie_aware",
     "qat_key_bits",
+    "logits_route",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
 
@@ -66,6 +67,15 @@ def test_launcher_limits() -> None:
         launch_mqa_topk(q, w, k, nv, 8, key_bits=16)  # fp32 scores need all 32 bits
     with pytest.raises(ValueError, match="key_bits 8 must be"):
         launch_mqa_topk(q, w, k, nv, 8, key_bits=8, quant="qat")
+    with pytest.raises(ValueError, match="route must be one of"):
+        launch_mqa_topk(q, w, k, nv, 8, route="fused")
+    with pytest.raises(ValueError, match="plain top-k only"):
+        launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_size=4, route="logits")
+    from dsv4cp.kernels.indexer_topk import LOGITS_ROUTE_MAX_WIDTH, pick_route
+
+    assert pick_route("auto", LOGITS_ROUTE_MAX_WIDTH, False) == "logits"
+    assert pick_route("auto", LOGITS_ROUTE_MAX_WIDTH + 1, False) == "scan"
+    assert pick_route("auto", 16, True) == "scan"  # candidates always scan
 
 
 def test_pieces_fill_whole_waves() -> None:
@@ -245,6 +255,29 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 chosen[picked] = True
                 row = exact[r, :m]
                 assert row[chosen].min() >= row[~chosen].max() - 1e-4, "a larger logit was left out"
+
+    def logits_route():
+        # the plain top-k's other route (logits to memory in row chunks, then the selection
+        # kernel), explicit and picked by width, two requests and a width bound included
+        q, w, k, nv = inputs(29, 4, 32, 160, seed=11)
+        ks = torch.cat([torch.zeros(11, dtype=torch.long), torch.full((18,), 50)])
+        nv = torch.minimum(nv, 160 - ks)
+        nv[12] = 500
+        want = ops.mqa_topk(q, w, k, nv, 8, k_start=ks, width=96)
+        got, blocks = kern.launch_mqa_topk(q, w, k, nv, 8, k_start=ks, width=96, route="logits")
+        equal(got, want, "route=logits")
+        assert blocks is None
+        assert kern.pick_route("auto", 96, False) == "logits"
+        equal(kern.mqa_topk(q, w, k, nv, 8, k_start=ks, width=96), want, "picked by width")
+        budget = kern.LOGITS_BUDGET_BYTES
+        try:  # a budget of one row per chunk: the chunks' results are concatenated in order
+            kern.LOGITS_BUDGET_BYTES = 4 * 96
+            equal(kern.launch_mqa_topk(q, w, k, nv, 8, k_start=ks, width=96, route="logits")[0],
+                  want, "row chunks")  # fmt: skip
+        finally:
+            kern.LOGITS_BUDGET_BYTES = budget
+        qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
+        equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

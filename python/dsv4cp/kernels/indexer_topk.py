@@ -12,6 +12,13 @@ the GPU, and picks the kernels:
 - `indexer_topk_merge.merge_kernel`: the top K of the pieces' buffers, when there are pieces;
 - `indexer_topk_gather`: a consumer at long context scores only its published blocks' keys.
 
+The plain top-k (an index source) of a narrow context takes the other route: the logits to
+memory in row chunks (`indexer_logits.mqa_logits`), then the selection kernel (`topk.launch_topk`)
+— the ops twin's own composition, the same selection (GPU test). Below LOGITS_ROUTE_MAX_WIDTH
+keys that is faster than the scan, whose running top-k per row costs more than the logits' trip
+to memory there (`benchmarks/indexer_scan.py --only route=scan,route=logits`, measured on the
+H200: docs/performance.md §13).
+
 quant="qat": the reference's bf16 index scores (`index_score`), so the selection is that of
 `ops.attention_quant.index_scores_qat` and deterministic per row (CP = N equals CP = 1).
 
@@ -27,12 +34,13 @@ import triton
 from torch import Tensor
 
 from dsv4cp.kernels._triton import interpreting
-from dsv4cp.kernels.indexer_logits import check_mqa_logits
+from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
 from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
+from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES
 from dsv4cp.ops.kv_format import check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
@@ -41,6 +49,8 @@ MAX_MERGE = 16384  # pieces · K keys merged in registers per row
 MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
+LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
+ROUTES = ("auto", "scan", "logits")
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
 # Resident scan programs per SM by config: DEFAULT_CONFIG's 255 registers × 128 threads allow 2
@@ -112,6 +122,7 @@ def launch_mqa_topk(
     quant: QuantMode = "none",
     key_bits: int | None = None,
     packed: bool = True,
+    route: str = "scan",
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
@@ -124,7 +135,9 @@ def launch_mqa_topk(
     `key_bits`: the high key bits the running top-k's search walks (`running_topk`); default 16
     in qat (the scores are bf16 values), else 32; 32 in qat is the slower equivalent.
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
-    same bits as `packed=False`, which rounds one value at a time)."""
+    same bits as `packed=False`, which rounds one value at a time). `route`: "scan" (the fused
+    kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
+    the selection kernel), or "auto" (`pick_route`, what the layer's calls take)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
@@ -142,6 +155,7 @@ def launch_mqa_topk(
         raise ValueError(f"mqa_topk kernel: block_size must be a power of two, got {block_size}")
     if k_start is not None and k_start.shape != (t,):
         raise ValueError(f"mqa_topk: k_start must be [{t}], got {tuple(k_start.shape)}")
+    use_logits = pick_route(route, width, member_mode or max_blocks > 0) == "logits"
     if block_ids is not None and (block_ids.dim() != 2 or block_ids.shape[0] != t):
         raise ValueError(f"mqa_topk: block_ids must be [{t}, B], got {tuple(block_ids.shape)}")
     block_t, block_n, warps, stages = config or DEFAULT_CONFIG
@@ -162,6 +176,8 @@ def launch_mqa_topk(
         if blocks_out is not None:
             blocks_out.fill_(-1)
         return out, blocks_out
+    if use_logits:
+        return logits_then_topk(q, weights, k, n_visible, k_top, k_start, width, quant), None
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(1) != 1:
@@ -239,6 +255,43 @@ def launch_mqa_topk(
     return out, blocks_out
 
 
+def pick_route(route: str, width: int, blocks: bool) -> str:
+    """ "scan" or "logits" for a launch of this `width`; `blocks`: a candidate source's or
+    consumer's selection (those always scan)."""
+    if route not in ROUTES:
+        raise ValueError(f"mqa_topk kernel: route must be one of {ROUTES}, got {route!r}")
+    if route == "logits" and blocks:
+        raise ValueError("mqa_topk kernel: the logits route takes the plain top-k only")
+    if route == "auto":
+        return "logits" if not blocks and width <= LOGITS_ROUTE_MAX_WIDTH else "scan"
+    return route
+
+
+def logits_then_topk(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    k_top: int,
+    k_start: Tensor | None,
+    width: int,
+    quant: QuantMode,
+) -> Tensor:
+    """The plain top-k as the ops twin composes it, with the kernels: per row chunk whose fp32
+    logits fit LOGITS_BUDGET_BYTES, `mqa_logits`, then `topk_indices`. int32 [T, k_top]."""
+    t = q.shape[0]
+    out = torch.empty((t, k_top), dtype=torch.int32, device=q.device)
+    step = max(1, min(t, LOGITS_BUDGET_BYTES // max(1, 4 * width)))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        ks = None if k_start is None else k_start[a:b]
+        logits = launch_mqa_logits(
+            q[a:b], weights[a:b], k, n_visible[a:b], k_start=ks, width=width, quant=quant
+        )
+        out[a:b] = _launch_topk(logits, n_visible[a:b], k_top)
+    return out
+
+
 def mqa_topk(
     q: Tensor,
     weights: Tensor,
@@ -252,7 +305,7 @@ def mqa_topk(
 ) -> Tensor:
     """Triton twin of ops.indexer_topk.mqa_topk: int32 [T, k_top], ascending, -1 pads."""
     return launch_mqa_topk(
-        q, weights, k, n_visible, k_top, k_start=k_start, width=width, quant=quant
+        q, weights, k, n_visible, k_top, k_start=k_start, width=width, quant=quant, route="auto"
     )[0]
 
 
@@ -327,7 +380,7 @@ def mqa_topk_cached(
     return launch_mqa_topk(
         q, weights, keys, n_visible, k_top,
         k_start=k_start, width=width, block_ids=block_ids, block_size=block_size,
-        max_blocks=max_blocks, quant=quant,
+        max_blocks=max_blocks, quant=quant, route="auto",
     )  # fmt: skip
 
 
