@@ -7,7 +7,8 @@ V4.1 path rebuilt from its parts, and against each layer's floor, at V4.1-Flash 
 
 One request per case: a cold prefill of 4K / 16K / 64K tokens, and a 16K-token chunk after a
 112K- and a 496K-token cached prefix (the caches are filled with random values of their storage
-dtype instead of prefilling the prefix). Roles: the Flash config's layers 0 (SWA), 2 (ratio-2 kv +
+dtype instead of prefilling the prefix). Roles: the Flash config's layers 0 (SWA, the forward's
+first layer), 1 (SWA, as every later SWA layer: it finds the window's rows made), 2 (ratio-2 kv +
 index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (ratio-1 reuse),
 24 (ratio-1 candidate consumer), run in that order so each reads what the earlier ones left.
 
@@ -33,9 +34,10 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   (the layer's routed call = FlashMLA over its workspace incl. building it; the Triton cached
   kernel on the caches; the dense Triton kernel and FlashMLA on pre-decoded dense rows).
 - Layers run in order on one context, so each finds what the earlier ones left in
-  `ctx.cross.attention` as in the model's forward: a reuse layer the window's rows, its top-k's
-  compressed rows and the FlashMLA workspace of its group's first layer (it decodes only its
-  own SWA rows); the run's first layer starts empty on every call (it numbers the window).
+  `ctx.cross.attention` as in the model's forward: the SWA store's rows, the window's rows, a
+  reuse layer its top-k's compressed rows and the FlashMLA workspace of its group's first layer
+  (it decodes only its own SWA rows); the run's first layer starts empty on every call (it
+  numbers the window and the store's rows).
 - CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
   tile the local shard; compute only) against (CP 1 time) / N.
 - `--keep-bf16-weights`: the layers hold bf16 copies of their fp8 projections
@@ -87,10 +89,10 @@ CASES: dict[str, tuple[int, int]] = {  # name: (cached prefix, new tokens)
     "chunk16k@112k": (112 * 1024, 16384),
     "chunk16k@496k": (496 * 1024, 16384),
 }
-LAYERS = (0, 2, 3, 20, 21, 24)
+LAYERS = (0, 1, 2, 3, 20, 21, 24)
 CP_CASE, CP_SIZES = "chunk16k@112k", (4, 8)
 SMOKE_CASES = {"cold48": (0, 48), "chunk32@80": (80, 32)}
-SMOKE_LAYERS = (0, 1, 2, 3, 4, 5)  # the tiny config's roles, in the same order as LAYERS
+SMOKE_LAYERS = (0, 1, 2, 3, 4, 5)  # the tiny config's roles (one SWA layer), in LAYERS' order
 SMOKE_CP_CASE = "chunk32@80"
 LOGITS_BUDGET_BYTES = 256 << 20  # the unfused node's fp32 logits per row chunk (as it was)
 FUSED_SWEEP = ((64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 3))
@@ -708,7 +710,7 @@ def targets(rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]) -> list[d
     for r in rows:
         if "error" in r:
             continue
-        role, case = r["role"], r["case"]
+        role, case = f"{r['role']} (layer {r['layer']})", r["case"]
         if role.startswith("r2+kv_source+index_source") and case in ("cold16k", "cold64k"):
             goal = 3.5 if case == "cold16k" else 8.0
             add("index source vs peer (x)", case, role, r.get("speedup_vs_peer"), goal, True)
@@ -723,7 +725,7 @@ def targets(rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]) -> list[d
             add(
                 f"CP {r['cp']} rank / ideal",
                 r["case"],
-                r["role"],
+                f"{r['role']} (layer {r['layer']})",
                 r["rank_over_ideal"],
                 goal,
                 False,

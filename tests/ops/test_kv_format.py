@@ -133,3 +133,39 @@ def test_compressed_key_is_not_idempotent_so_the_cache_takes_it_before_quantizat
     assert fake_quant_compressed_key_fp4(once)[0, 0] == 6 * 2.0**-9  # not idempotent
     rows = encode_rows(x, "fp4_e4m3_16", dense_dtype=torch.float32)
     assert torch.equal(decode_rows(rows, "fp4_e4m3_16", 16), once)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width", "offset"),
+    [
+        (torch.uint8, 528, 0),  # the qat SWA row at Flash dims: 66 int64 per row
+        (torch.uint8, 528, 4),  # a view 4 bytes in: int32 elements
+        (torch.uint8, 7, 0),  # no wider element divides the row: bytes
+        (torch.bfloat16, 512, 0),  # the dense SWA row
+        (torch.float32, 3, 1),
+    ],
+)
+def test_store_rows_writes_the_bytes_index_copy_writes(
+    dtype: torch.dtype, width: int, offset: int
+) -> None:
+    from dsv4cp.ops.kv_format import _wide, store_rows_
+
+    g = torch.Generator().manual_seed(width + offset)
+    base = torch.randint(0, 255, (40 * width + offset,), generator=g, dtype=torch.uint8)
+    if dtype == torch.uint8:
+        cache = base[offset:].view(40, width)
+    else:
+        cache = torch.randn(40 * width + offset, generator=g).to(dtype)[offset:].view(40, width)
+    values = torch.randn(9, width, generator=g).to(dtype) if dtype != torch.uint8 else (
+        torch.randint(0, 255, (9, width), generator=g, dtype=torch.uint8)
+    )  # fmt: skip
+    rows = torch.randperm(40, generator=g)[:9]
+    want = cache.clone().index_copy_(0, rows, values)
+    store_rows_(cache, rows.int(), values)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    if (dtype, offset) == (torch.uint8, 0) and width % 8 == 0:
+        assert _wide(cache).dtype == torch.int64
+    if (dtype, offset) == (torch.uint8, 4):
+        assert _wide(cache).dtype == torch.int32
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        store_rows_(cache, rows, values[:, :-1])

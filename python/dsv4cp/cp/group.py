@@ -152,6 +152,26 @@ def check_timeout(timeout_s: float) -> float:
     return t
 
 
+def stays_rank_major(group: CPGroup, layout: CPLayout) -> bool:
+    """Whether `gather_rows` leaves the all-gather in rank-major order: CP > 1 with no padding
+    row (T == cp·P), so every gathered row is a token a row-wise consumer can take as it is."""
+    return group.cp_size > 1 and layout.is_dense
+
+
+def gather_rows(group: CPGroup, layout: CPLayout, x: Tensor, *, tag: str) -> Tensor:
+    """`gather_global` for a consumer that takes the rows in any order (a store by destination
+    row): the all-gather's rank-major rows [cp·P, ...] as they come when `stays_rank_major`
+    (no rerange copy; `CPLayout.rank_major` puts token-order metadata in the same order), else
+    `gather_global`'s token order."""
+    if not stays_rank_major(group, layout):
+        return gather_global(group, layout, x, tag=tag)
+    if x.dim() == 0 or x.shape[0] != layout.padded_rows:
+        raise ValueError(
+            f"gather_rows {tag!r}: expected P={layout.padded_rows} rows, got {tuple(x.shape)}"
+        )
+    return group.all_gather(x, tag=tag)
+
+
 def gather_global(group: CPGroup, layout: CPLayout, x: Tensor, *, tag: str) -> Tensor:
     """Local rows x [P, ...] (or fewer: padded here) → global rows [T, ...] in token order:
     the all-gather plus the rerange. cp_size 1 returns a view of x's first T rows."""

@@ -32,10 +32,11 @@ from torch import Tensor, nn
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.group import gather_global
+from dsv4cp.cp.group import gather_global, gather_rows, stays_rank_major
 from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.layers.linear import Linear, Storage
 from dsv4cp.observe.timing import stage
+from dsv4cp.ops.kv_format import store_rows_
 from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -215,7 +216,7 @@ class DeepseekV41Attention(nn.Module):
     def _gather_kv(self, st: PrepareState) -> None:
         ctx = st.ctx
         tag = f"layer{self.layer}/swa_rows"
-        st["swa_rows_g"] = gather_global(ctx.cp, ctx.layout, st["swa_rows"], tag=tag)
+        st["swa_rows_g"] = gather_rows(ctx.cp, ctx.layout, st["swa_rows"], tag=tag)
 
     def _gather_comp(self, st: PrepareState) -> None:
         ctx = st.ctx
@@ -224,8 +225,13 @@ class DeepseekV41Attention(nn.Module):
 
     def _swa_store(self, st: PrepareState) -> None:
         ctx = st.ctx
-        cache = ctx.cache.swa[self.layer]
-        cache.index_copy_(0, ctx.cache.swa_rows(ctx.meta.tokens.slots), st["swa_rows_g"])
+        cache, memo = ctx.cache.swa[self.layer], ctx.cross.attention
+        if memo.store is None:  # the same rows in every layer of the forward, in gather order
+            rows = ctx.cache.swa_rows(ctx.meta.tokens.slots).long()
+            if stays_rank_major(ctx.cp, ctx.layout):
+                rows = ctx.layout.rank_major(rows)
+            memo.store = rows
+        store_rows_(cache, memo.store, st["swa_rows_g"])
         st["swa_cache"] = cache
 
     def _compressor(self, st: PrepareState) -> None:

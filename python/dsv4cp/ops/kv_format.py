@@ -139,3 +139,32 @@ def decode_rows(rows: Tensor, fmt: str, dim: int) -> Tensor:
     else:
         scale = e8m0_to_float(scale_bytes)
     return (values.unflatten(1, (-1, block)) * scale[:, :, None]).flatten(1)
+
+
+def _wide(x: Tensor) -> Tensor:
+    """x [N, W] viewed with the widest of int64 / int32 / int16 elements its rows allow (the same
+    bytes), else x."""
+    nbytes = x.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=dtype).element_size()
+        if size <= nbytes:
+            break
+        spans = (x.shape[1], x.stride(0), x.storage_offset()) if x.dim() == 2 else (1,)
+        if x.dim() == 2 and x.stride(1) == 1 and all(v * nbytes % size == 0 for v in spans):
+            return x.view(dtype)
+    return x
+
+
+def store_rows_(cache: Tensor, rows: Tensor, values: Tensor) -> None:
+    """cache[rows[i]] = values[i] (cache [N, W], values [T, W] of its dtype, rows int [T]): one
+    `index_copy_` over the rows' bytes in the widest elements they allow (a byte row of 528
+    bytes is 66 int64 copies, not 528 byte copies). The same bytes as `index_copy_` itself."""
+    if values.dtype != cache.dtype or values.dim() != 2 or values.shape[1:] != cache.shape[1:]:
+        raise ValueError(
+            f"store_rows_: values {values.dtype} {tuple(values.shape)} do not fit the cache's "
+            f"rows {cache.dtype} {tuple(cache.shape)}"
+        )
+    dst, src = _wide(cache), _wide(values.contiguous())
+    if dst.dtype != src.dtype:
+        dst, src = cache, values
+    dst.index_copy_(0, rows.long(), src)
