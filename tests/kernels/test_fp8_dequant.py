@@ -15,7 +15,7 @@ import torch
 
 from tests.kernels.interpreter_child import report_cases, run_interpreter_cases
 
-CASES = ["every_code_bit_exact", "ragged_shapes_and_views", "dequant_mm_operands"]
+CASES = ["every_code_bit_exact", "ragged_shapes_and_views", "dequant_mm_operands", "e8m0_edges"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,8 @@ def test_bad_input_is_named() -> None:
         dequant_fp8_blocks(torch.zeros(40, 64), torch.ones(2, 2))
     with pytest.raises(ValueError, match="out_dtype"):
         dequant_fp8_blocks(w, torch.ones(2, 2), out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="must be powers of two"):
+        dequant_fp8_blocks(w, torch.ones(2, 2), config=(3, 32, 1))
 
 
 @pytest.mark.slow
@@ -45,13 +47,16 @@ def test_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
     import triton.language as tl
 
-    from dsv4cp.kernels.fp8_dequant import _BLOCK_K, _BLOCK_R, _WARPS, _dequant_fp8_kernel
+    from dsv4cp.kernels.fp8_dequant import CONFIG, _dequant_fp8_kernel
     from tests.kernels.test_indexer_topk_compile import _compile
 
+    block_r, block_k, warps = CONFIG
     for out, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
-        types = ["*fp8e4nv", "*fp32", f"*{name}", "i32", "i32", "i32", "i32", "i32"]
-        const = dict(BLOCK=32, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, OUT_DTYPE=out, EMULATE=False)
-        _compile(_dequant_fp8_kernel, types, const, _WARPS, 1)
+        for e8m0, scale in ((True, "*u8"), (False, "*fp32")):
+            types = ["*fp8e4nv", scale, f"*{name}", "i32", "i32", "i32", "i32", "i32"]
+            const = dict(BLOCK=32, BLOCK_R=block_r, BLOCK_K=block_k, OUT_DTYPE=out,
+                         EMULATE=False, E8M0=e8m0)  # fmt: skip
+            _compile(_dequant_fp8_kernel, types, const, warps, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -105,6 +110,24 @@ def _cases() -> dict[str, object]:
         s = s.view(torch.float8_e8m0fnu)
         want = ops_linear.dequant_fp8_blocks(w, s, out_dtype=torch.bfloat16)
         same(dequant_weight_bf16(w, s), want)
+
+    def e8m0_edges() -> None:
+        # the kernel decodes e8m0 bytes itself: 0 (fp32's subnormal 2^-127), 1, 127, 254 and
+        # 255 (NaN) as ops.quant.e8m0_to_float does; torch's conversion (host_scales) and other
+        # tile configs give the same bits
+        g = torch.Generator().manual_seed(3)
+        w = (torch.randn(160, 64, generator=g) * 40).to(torch.float8_e4m3fn)
+        s = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)[:, None].repeat(1, 2)
+        s = s.view(torch.float8_e8m0fnu)
+        want = ops_linear.dequant_fp8_blocks(w, s)
+        nan = want.isnan()
+        assert nan[128:].all() and not nan[:128].any()
+        for kw in ({}, {"host_scales": True}, {"config": (32, 64, 4)}, {"config": (2, 32, 1)}):
+            got = kernel.dequant_fp8_blocks(w, s, **kw)  # type: ignore[arg-type]
+            assert torch.equal(got.isnan(), nan), kw
+            same(got[:128], want[:128])
+        raw = kernel.dequant_fp8_blocks(w, s.view(torch.uint8))  # raw bytes are e8m0 too
+        same(raw[:128], want[:128])
 
     return {name: f for name, f in locals().items() if name in CASES}
 
