@@ -76,7 +76,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "sinkhorn_split": (ops.sinkhorn_split, "dsv4cp.kernels.sinkhorn"),
 }
 
-# The indexer's logits fused with their selections (issue 15): the logits never reach memory.
+# The indexer's logits fused with their selections (issue 15): the logits never reach memory
+# (a plain top-k over ≤ 8K keys takes the logits route: `kernels.indexer_topk.pick_route`).
 ROUTES.update(
     {
         "mqa_topk": (ops.mqa_topk, "dsv4cp.kernels.indexer_topk"),

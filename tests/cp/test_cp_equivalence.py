@@ -22,7 +22,8 @@ MIXED = [
     Scenario(lens=(1, 3), prefix=(0, 2), chunk=1),
     Scenario(lens=(31,), prefix=(5,), chunk=7),
     Scenario(lens=(3, 5, 2), chunk=2),
-    # T = 24 fills CP 2, 3 and 4 with no padding row: the SWA keys are stored rank-major
+    # its batches (T = 6, then 18) fill CP 2 and 3 with no padding row: the SWA keys are stored
+    # rank-major (dense at CP 4 too: the first batch of lens (5, 31, 130), T = 20)
     Scenario(lens=(10, 14), prefix=(0, 6)),
 ]
 SCENARIOS = SINGLE + MIXED

@@ -7,7 +7,8 @@
   `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row slice, a
   column slice of the output, a bound below the count;
 - `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
-  workspace, then the fused scan) against `ops.mqa_topk_cached`, in both numerics and the three
+  workspace, then the fused scan, or for a plain top-k this narrow the logits route: every plain
+  case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and the three
   roles (full top-k, candidate source, candidate consumer with the map and the gather kernel),
   two requests (two k_start). Under qat the keys are real fp4 rows and the queries fake-fp4
   values, as the layer has them; the dots are fp32 (the interpreter), the fp4 products exact, so
@@ -143,6 +144,17 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         nv[0], nv[1] = 0, 3
         return q, w, cache, rows, nv, ks, fmt
 
+    def routes():
+        """The plain top-k's two routes in turn (`indexer_topk.pick_route` by width): the scan
+        (no width is narrow enough), then the logits route (every width is)."""
+        limit = kern.LOGITS_ROUTE_MAX_WIDTH
+        try:
+            for name, value in (("scan", 0), ("logits", 1 << 30)):
+                kern.LOGITS_ROUTE_MAX_WIDTH = value
+                yield name
+        finally:
+            kern.LOGITS_ROUTE_MAX_WIDTH = limit
+
     def run_both(qat: bool, seed: int, **kw: object):
         q, w, cache, rows, nv, ks, fmt = index_inputs(23, 4, 64, 170, qat, seed)
         quant = "qat" if qat else "none"
@@ -152,13 +164,15 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         return got, want, (q, w, cache, rows, nv, ks, fmt)
 
     def topk_cached_none_dense():
-        got, want, _ = run_both(False, 1)
-        equal(got[0], want[0], "top-k")
-        assert got[1] is None and want[1] is None
+        for route in routes():
+            got, want, _ = run_both(False, 1)
+            equal(got[0], want[0], f"top-k, {route}")
+            assert got[1] is None and want[1] is None
 
     def topk_cached_qat_full():
-        got, want, (q, w, cache, rows, nv, ks, fmt) = run_both(True, 2)
-        equal(got[0], want[0], "qat top-k")
+        for route in routes():
+            got, want, (q, w, cache, rows, nv, ks, fmt) = run_both(True, 2)
+            equal(got[0], want[0], f"qat top-k, {route}")
         # and the launcher's knobs: several pieces, buffer cuts
         keys = decode_rows(cache[rows], fmt, 64)
         for pieces, cap in ((3, 64), (None, None)):
@@ -215,8 +229,9 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         fp32 = ops.mqa_topk_cached(*args, quant="none", **kw)[0]  # type: ignore[arg-type]
         assert not torch.equal(want, fp32), "the case must tell the numerics apart"
         for quant, ref in (("qat", want), ("none", fp32)):
-            got = kern.mqa_topk_cached(*args, quant=quant, **kw)[0]  # type: ignore[arg-type]
-            equal(got, ref, f"{quant} ties")
+            for route in routes():
+                got = kern.mqa_topk_cached(*args, quant=quant, **kw)[0]  # type: ignore[arg-type]
+                equal(got, ref, f"{quant} ties, {route}")
             blocks = torch.arange(n // 4).expand(5, -1).int()
             got = kern.launch_mqa_topk(
                 q, w, k, nv, 8, quant=quant, block_ids=blocks, block_size=4, consumer="gather"
@@ -261,10 +276,11 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             quant = "qat" if qat else "none"
             logits = mqa_logits_cached(q, w, cache, rows, nv, width=150, k_format=fmt, quant=quant)
             want = topk_indices(logits, nv, 8)
-            got = kern.mqa_topk_cached(
-                q, w, cache, rows, nv, 8, width=150, k_format=fmt, quant=quant
-            )
-            equal(got[0], want, f"fused vs cached kernel, {quant}")
+            for route in routes():
+                got = kern.mqa_topk_cached(
+                    q, w, cache, rows, nv, 8, width=150, k_format=fmt, quant=quant
+                )
+                equal(got[0], want, f"{route} vs cached kernel, {quant}")
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

@@ -71,6 +71,9 @@ def test_launcher_limits() -> None:
         launch_mqa_topk(q, w, k, nv, 8, route="fused")
     with pytest.raises(ValueError, match="plain top-k only"):
         launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_size=4, route="logits")
+    for knob in ({"config": (16, 32, 4, 1)}, {"pieces": 2}, {"cap": 64}, {"packed": False}):
+        with pytest.raises(ValueError, match="knobs were given to the logits route"):
+            launch_mqa_topk(q, w, k, nv, 8, route="auto", **knob)  # type: ignore[arg-type]
     from dsv4cp.kernels.indexer_topk import LOGITS_ROUTE_MAX_WIDTH, pick_route
 
     assert pick_route("auto", LOGITS_ROUTE_MAX_WIDTH, False) == "logits"

@@ -1,4 +1,5 @@
-"""Indexer logits fused with their selections: the [rows, width] logits never reach memory.
+"""Indexer logits fused with their selections: the [rows, width] logits never reach memory
+(but for a plain top-k over ≤ LOGITS_ROUTE_MAX_WIDTH keys, below).
 
 Twins of `dsv4cp.ops.indexer_topk` (attention-math §5.3): `mqa_topk` (full top-k),
 `mqa_topk_candidates` (top-k plus the candidate source's published blocks) and
@@ -24,7 +25,7 @@ quant="qat": the reference's bf16 index scores (`index_score`), so the selection
 
 `mqa_topk_cached` (the layer's call) reads the keys from the index-key cache: the workspace
 entries' rows decoded once into a dense [N, D_I] workspace in q.dtype (bounded by the batch's
-entries: 256 B per entry in bf16), then the scan.
+entries: 256 B per entry in bf16), then the scan (or the logits route, by width).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
-ROUTES = ("auto", "scan", "logits")
+TOPK_ROUTES = ("auto", "scan", "logits")
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
 # Resident scan programs per SM by config: DEFAULT_CONFIG's 255 registers × 128 threads allow 2
@@ -139,6 +140,9 @@ def launch_mqa_topk(
     kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
     the selection kernel), or "auto" (`pick_route`, what the layer's calls take)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
+    scan_knobs = (config, pieces, cap, key_bits, row_group, consumer, packed) != (
+        (None,) * 4 + (4, "auto", True)
+    )
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
     if key_bits not in ((16, 32) if qat else (32,)):
@@ -156,6 +160,8 @@ def launch_mqa_topk(
     if k_start is not None and k_start.shape != (t,):
         raise ValueError(f"mqa_topk: k_start must be [{t}], got {tuple(k_start.shape)}")
     use_logits = pick_route(route, width, member_mode or max_blocks > 0) == "logits"
+    if use_logits and scan_knobs:
+        raise ValueError("mqa_topk kernel: the scan's knobs were given to the logits route")
     if block_ids is not None and (block_ids.dim() != 2 or block_ids.shape[0] != t):
         raise ValueError(f"mqa_topk: block_ids must be [{t}, B], got {tuple(block_ids.shape)}")
     block_t, block_n, warps, stages = config or DEFAULT_CONFIG
@@ -258,8 +264,8 @@ def launch_mqa_topk(
 def pick_route(route: str, width: int, blocks: bool) -> str:
     """ "scan" or "logits" for a launch of this `width`; `blocks`: a candidate source's or
     consumer's selection (those always scan)."""
-    if route not in ROUTES:
-        raise ValueError(f"mqa_topk kernel: route must be one of {ROUTES}, got {route!r}")
+    if route not in TOPK_ROUTES:
+        raise ValueError(f"mqa_topk kernel: route must be one of {TOPK_ROUTES}, got {route!r}")
     if route == "logits" and blocks:
         raise ValueError("mqa_topk kernel: the logits route takes the plain top-k only")
     if route == "auto":
@@ -372,7 +378,8 @@ def mqa_topk_cached(
 ) -> tuple[Tensor, Tensor | None]:
     """Triton twin of ops.indexer_topk.mqa_topk_cached: the workspace entries' index keys decoded
     once into a dense workspace [N, D_I] in q.dtype (`kv_decode.decode_gather`: exact, 256 B per
-    entry in bf16 at D_I = 128), then the fused scan (`launch_mqa_topk`)."""
+    entry in bf16 at D_I = 128), then the fused scan, or for a plain top-k over ≤
+    LOGITS_ROUTE_MAX_WIDTH keys the logits route (`launch_mqa_topk`, `pick_route`)."""
     d = q.shape[-1]
     keys = index_workspace(k_cache, k_rows, k_format, d, q.dtype)
     if block_ids is not None and max_blocks:

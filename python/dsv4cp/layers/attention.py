@@ -226,12 +226,12 @@ class DeepseekV41Attention(nn.Module):
     def _swa_store(self, st: PrepareState) -> None:
         ctx = st.ctx
         cache, memo = ctx.cache.swa[self.layer], ctx.cross.attention
-        if memo.store is None:  # the same rows in every layer of the forward, in gather order
+        if memo.store_rows is None:  # the same rows in every layer of the forward, gather order
             rows = ctx.cache.swa_rows(ctx.meta.tokens.slots).long()
             if stays_rank_major(ctx.cp, ctx.layout):
                 rows = ctx.layout.rank_major(rows)
-            memo.store = rows
-        store_rows_(cache, memo.store, st["swa_rows_g"])
+            memo.store_rows = rows
+        store_rows_(cache, memo.store_rows, st["swa_rows_g"])
         st["swa_cache"] = cache
 
     def _compressor(self, st: PrepareState) -> None:
@@ -301,8 +301,9 @@ class DeepseekV41Attention(nn.Module):
     def _logits_topk(self, st: PrepareState) -> None:
         """Local index queries × the ratio's index keys, read from the kv source's index cache,
         → top-k (and candidates) in one routed op (`mqa_topk_cached`): on CUDA the fused
-        logits + running top-k kernel (the [rows, context] logits never reach memory), on CPU
-        the ops twin (`index_logits` in row chunks, then the selection)."""
+        logits + running top-k kernel (the [rows, context] logits never reach memory; a plain
+        top-k over ≤ 8K keys: logits in row chunks, then the top-k kernel), on CPU the ops twin
+        (`index_logits` in row chunks, then the selection)."""
         ctx = st.ctx
         r, cfg, cache = self.role.ratio, self.config, ctx.cache
         ws = ctx.meta.workspaces[r]

@@ -143,14 +143,16 @@ def decode_rows(rows: Tensor, fmt: str, dim: int) -> Tensor:
 
 def _wide(x: Tensor) -> Tensor:
     """x [N, W] viewed with the widest of int64 / int32 / int16 elements its rows allow (the same
-    bytes), else x."""
+    bytes: row length, row stride, offset and address all multiples of the element), else x."""
     nbytes = x.element_size()
+    if x.dim() != 2 or x.stride(1) != 1:
+        return x
     for dtype in (torch.int64, torch.int32, torch.int16):
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if size <= nbytes:
             break
-        spans = (x.shape[1], x.stride(0), x.storage_offset()) if x.dim() == 2 else (1,)
-        if x.dim() == 2 and x.stride(1) == 1 and all(v * nbytes % size == 0 for v in spans):
+        spans = (x.shape[1] * nbytes, x.stride(0) * nbytes, x.data_ptr())
+        if all(v % size == 0 for v in spans):
             return x.view(dtype)
     return x
 
