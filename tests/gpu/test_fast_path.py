@@ -150,10 +150,13 @@ def test_fused_cached_topk_equals_the_unfused_gpu_path(
         assert same >= 0.99, same
 
 
-def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", ["scan", "logits"])
+def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     """Flash layers 0 (SWA), 2 (ratio-2 kv + index source), 3 (top-k reuse) in qat over a 1K
-    prefix + 1K new tokens: the fast path against the Triton cached kernel."""
+    prefix + 1K new tokens: the fast path against the Triton cached kernel, with the index
+    source's top-k on either route (its 1K keys would take the logits route)."""
     _needs_flashmla()
+    monkeypatch.setattr(fused, "LOGITS_ROUTE_MAX_WIDTH", 0 if route == "scan" else 8192)
     from benchmarks.layer_peer import build_layers, make_context
 
     from dsv4cp.config import DeepseekV41Config

@@ -10,6 +10,7 @@ import torch
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
 from dsv4cp.graphs.runner import GraphConfig
+from dsv4cp.kernels import indexer_topk
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 
@@ -69,3 +70,13 @@ def test_graph_replay_equals_eager(cp: int, multistream: bool) -> None:
         assert all(r.segments > 1 for r in reports)
     else:
         assert all(r.segments == 1 for r in reports)
+
+
+def test_graph_replay_equals_eager_on_the_scan_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, CP 2 multistream, with the index sources' plain top-k on the fused scan: the
+    tiny model's widths would take the logits route (`indexer_topk.pick_route`)."""
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0)
+    diffs, caches, fallbacks, _ = run_cp(2, _run, True, backend="fake")[0]
+    assert max(diffs) < TOL, diffs
+    assert caches < 1e-3, caches
+    assert fallbacks == 2

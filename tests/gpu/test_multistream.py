@@ -11,6 +11,7 @@ import torch
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
+from dsv4cp.kernels import indexer_topk
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.runner import PrefillRunner
 from dsv4cp.tools.checking import recording
@@ -72,6 +73,17 @@ def _equal(a, b) -> None:  # noqa: ANN001
 def test_multistream_bit_identical_to_serial(cp: int, dtype: str) -> None:
     serial = run_cp(cp, _run, False, dtype, False, 1, backend="fake")[0]
     multi = run_cp(cp, _run, True, dtype, False, 1, backend="fake")[0]
+    _equal(serial[0], multi[0])
+
+
+def test_multistream_bit_identical_to_serial_on_the_scan_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CP 2, bf16, with the index sources' plain top-k on the fused scan (the tiny model's widths
+    would take the logits route, `indexer_topk.pick_route`)."""
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0)
+    serial = run_cp(2, _run, False, "bfloat16", False, 1, backend="fake")[0]
+    multi = run_cp(2, _run, True, "bfloat16", False, 1, backend="fake")[0]
     _equal(serial[0], multi[0])
 
 
