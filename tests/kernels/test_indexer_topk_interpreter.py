@@ -104,6 +104,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
 
     from dsv4cp import ops
     from dsv4cp.kernels import indexer_topk as kern
+    from dsv4cp.ops import indexer_topk as ops_chunks
 
     def ints(*shape: int, lo: int = -2, hi: int = 3, seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -272,13 +273,13 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         assert blocks is None
         assert kern.pick_route("auto", 96, False) == "logits"
         equal(kern.mqa_topk(q, w, k, nv, 8, k_start=ks, width=96), want, "picked by width")
-        budget = kern.LOGITS_BUDGET_BYTES
+        budget = ops_chunks.LOGITS_BUDGET_BYTES
         try:  # a budget of one row per chunk: the chunks' results are concatenated in order
-            kern.LOGITS_BUDGET_BYTES = 4 * 96
+            ops_chunks.LOGITS_BUDGET_BYTES = 4 * 96
             equal(kern.launch_mqa_topk(q, w, k, nv, 8, k_start=ks, width=96, route="logits")[0],
                   want, "row chunks")  # fmt: skip
         finally:
-            kern.LOGITS_BUDGET_BYTES = budget
+            ops_chunks.LOGITS_BUDGET_BYTES = budget
         qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
 

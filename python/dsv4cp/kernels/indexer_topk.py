@@ -41,7 +41,7 @@ from dsv4cp.kernels.indexer_topk_merge import merge_kernel
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
 from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
-from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES
+from dsv4cp.ops.indexer_topk import in_row_chunks
 from dsv4cp.ops.kv_format import check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
@@ -283,18 +283,13 @@ def logits_then_topk(
     width: int,
     quant: QuantMode,
 ) -> Tensor:
-    """The plain top-k as the ops twin composes it, with the kernels: per row chunk whose fp32
-    logits fit LOGITS_BUDGET_BYTES, `mqa_logits`, then `topk_indices`. int32 [T, k_top]."""
-    t = q.shape[0]
-    out = torch.empty((t, k_top), dtype=torch.int32, device=q.device)
-    step = max(1, min(t, LOGITS_BUDGET_BYTES // max(1, 4 * width)))
-    for a in range(0, t, step):
-        b = min(t, a + step)
-        ks = None if k_start is None else k_start[a:b]
-        logits = launch_mqa_logits(
-            q[a:b], weights[a:b], k, n_visible[a:b], k_start=ks, width=width, quant=quant
-        )
-        out[a:b] = _launch_topk(logits, n_visible[a:b], k_top)
+    """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
+    row chunks), with the kernels: `mqa_logits`, then `topk_indices`. int32 [T, k_top]."""
+    (out,) = in_row_chunks(
+        q, weights, k, n_visible, k_start, width,
+        lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top)],
+        quant, logits_fn=launch_mqa_logits,
+    )  # fmt: skip
     return out
 
 

@@ -28,7 +28,7 @@ from dsv4cp.ops.quant import QuantMode
 LOGITS_BUDGET_BYTES = 256 << 20  # fp32 logits of one row chunk
 
 
-def _chunked(
+def in_row_chunks(
     q: Tensor,
     weights: Tensor,
     k: Tensor,
@@ -37,8 +37,11 @@ def _chunked(
     width: int | None,
     select: Callable[[Tensor, slice], list[Tensor]],
     quant: QuantMode = "none",
+    logits_fn: Callable[..., Tensor] = mqa_logits,
 ) -> list[Tensor]:
-    """Per row chunk: logits, then `select(logits, rows)`; the parts concatenated per output."""
+    """Per row chunk whose fp32 logits fit LOGITS_BUDGET_BYTES: `logits_fn` (`mqa_logits`, or
+    its kernel twin: the kernels' logits route), then `select(logits, rows)`; the parts
+    concatenated per output (one chunk's parts as they are)."""
     t = q.shape[0]
     w = k.shape[0] if width is None else width
     step = max(1, min(t, LOGITS_BUDGET_BYTES // max(1, 4 * w)))
@@ -46,11 +49,11 @@ def _chunked(
     for a in range(0, max(t, 1), step):  # one (empty) chunk when t == 0 shapes empty outputs
         rows = slice(a, min(t, a + step))
         ks = None if k_start is None else k_start[rows]
-        logits = mqa_logits(
+        logits = logits_fn(
             q[rows], weights[rows], k, n_visible[rows], k_start=ks, width=width, quant=quant
         )
         parts.append(select(logits, rows))
-    return [torch.cat(p) for p in zip(*parts)]
+    return [p[0] if len(p) == 1 else torch.cat(p) for p in zip(*parts)]
 
 
 def mqa_topk(
@@ -69,7 +72,7 @@ def mqa_topk(
     int32 [T, k_top]: all j < n when n ≤ k_top, else the k_top largest logits (ties → smaller
     j), ascending, -1 pads last.
     """
-    (out,) = _chunked(
+    (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
         lambda logits, rows: [topk_indices(logits, n_visible[rows], k_top)], quant,
     )  # fmt: skip
@@ -100,7 +103,7 @@ def mqa_topk_candidates(
             candidate_blocks(logits, nv, block_size, max_blocks),
         ]
 
-    top, blocks = _chunked(q, weights, k, n_visible, k_start, width, select, quant)
+    top, blocks = in_row_chunks(q, weights, k, n_visible, k_start, width, select, quant)
     return top, blocks
 
 
@@ -120,7 +123,7 @@ def mqa_topk_among_blocks(
     """A candidate consumer's selection: topk_among_blocks(mqa_logits(...), n_visible, block_ids,
     block_size, k_top), int32 [T, k_top]; only finite logits of the listed blocks (-1 and
     out-of-range ids ignored) with j < n are candidates, ascending, -1 pads."""
-    (out,) = _chunked(
+    (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
         lambda logits, rows: [
             topk_among_blocks(logits, n_visible[rows], block_ids[rows], block_size, k_top)
