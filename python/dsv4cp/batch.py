@@ -111,14 +111,6 @@ class TokenMeta:
         rows = self.req_row if positions.dim() == 1 else self.req_row[:, None]
         return self.req_to_token[rows, positions.clamp(min=0)]
 
-    def window_slots(self, window: int) -> Tensor:
-        """[T, window] slots of positions p, p−1, …, p−window+1 (−1 before position 0)."""
-        off = torch.arange(window, device=self.positions.device)
-        pos = self.positions[:, None] - off[None, :]
-        slots = self.slot_of(pos)
-        keep = (pos >= 0) & self.valid[:, None]
-        return torch.where(keep, slots, -1)
-
     def entry_slots(self, ratio: int, entries: Tensor) -> Tensor:
         """Slot holding compressed entry j (stored at its block's last token), −1 for j < 0."""
         pos = (entries.long() + 1) * ratio - 1

@@ -74,6 +74,9 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "grouped_fp4_mm": (ops.grouped_fp4_mm, "dsv4cp.kernels.moe_fp4_gemm"),
     # mHC's pre / post / Sinkhorn-normalised comb from the mix logits: one launch, not ~80
     "sinkhorn_split": (ops.sinkhorn_split, "dsv4cp.kernels.sinkhorn"),
+    # the forward's SWA rows (the window's, the store's): one launch each, not ~20 small ones
+    "window_rows": (ops.window_rows, "dsv4cp.kernels.pool_rows"),
+    "swa_rows": (ops.swa_rows, "dsv4cp.kernels.pool_rows"),
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory
@@ -168,6 +171,8 @@ hc_mix_logits = _route("hc_mix_logits")
 rowwise_linear_fp32 = _route("rowwise_linear_fp32")
 grouped_fp4_mm = _route("grouped_fp4_mm")
 sinkhorn_split = _route("sinkhorn_split")
+window_rows = _route("window_rows")
+swa_rows = _route("swa_rows")
 mqa_topk = _route("mqa_topk")
 mqa_topk_candidates = _route("mqa_topk_candidates")
 mqa_topk_among_blocks = _route("mqa_topk_among_blocks")
@@ -216,7 +221,9 @@ __all__ = [
     "store_swa_k",
     "swa_key",
     "swa_key_rows",
+    "swa_rows",
     "topk_among_blocks",
     "topk_indices",
     "use_kernels",
+    "window_rows",
 ]

@@ -3,9 +3,10 @@
 - `kv_decode.decode_gather`: chosen cache rows of every storage format decoded into a dense
   workspace, bit for bit `ops.kv_format.decode_rows` (rows with −1 untouched);
 - `flashmla.build_workspace` with that Triton decode (what the CUDA path runs);
-- `workspace_rows.mark_rows` / `remap_rows` (the workspace's row numbering) bit for bit
-  `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row slice, a
-  column slice of the output, a bound below the count;
+- `workspace_rows.mark_rows` / `place_rows` / `remap_rows` (the workspace's row numbering) bit
+  for bit `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row
+  slice, a column slice of the output, a bound below, at and above the count (`place_rows` also
+  against its definition: the i-th marked row, then −1);
 - `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
   workspace, then the fused scan, or for a plain top-k this narrow the logits route: every plain
   case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and the three
@@ -118,7 +119,18 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             kern_rows.mark_rows(idx, marks[0])
             ops_rows.mark_rows(idx, marks[1])
             equal(marks[0], marks[1], f"mark {dtype}")
-            number = torch.cumsum(marks[0], 0, dtype=torch.int32) - 1
+            count = torch.cumsum(marks[0], 0, dtype=torch.int32)
+            number = count - 1
+            total = int(count[-1])
+            for b in (bound, total, total // 2, total + 9):  # more, as many and fewer rows
+                srcs = [torch.full((b,), 77, dtype=torch.int32) for _ in range(2)]
+                kern_rows.place_rows(count, srcs[0])
+                ops_rows.place_rows(count, srcs[1])
+                equal(srcs[0], srcs[1], f"place {dtype} bound {b}")
+                marked = marks[0].nonzero().flatten().int()  # the definition: i-th marked row
+                want = torch.full((b,), -1, dtype=torch.int32)
+                want[: min(b, total)] = marked[:b]
+                equal(srcs[1], want, f"place twin {dtype} bound {b}")
             outs = [torch.full((19, 170), 5, dtype=torch.int32) for _ in range(2)]
             kern_rows.remap_rows(idx, number, outs[0][:, 10:160], 64, bound)
             ops_rows.remap_rows(idx, number, outs[1][:, 10:160], 64, bound)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.config import DeepseekV41Config
+from dsv4cp.ops import pool_rows
 from dsv4cp.ops.kv_format import (
     KVFormat,
     decode_rows,
@@ -215,16 +216,9 @@ class KVCache:
         self.swa_slot_map = mapping
 
     def swa_rows(self, slots: Tensor) -> Tensor:
-        """SWA pool rows of token slots (−1 for slot −1 or a page / SWA slot not held)."""
-        if self.swa_slot_map is not None:
-            safe = slots.clamp(min=0)
-            rows = self.swa_slot_map[safe].to(slots.dtype)
-            return torch.where((slots >= 0) & ((rows > 0) | (safe == 0)), rows, -1)
-        p = self.page_size
-        safe = slots.clamp(min=0)
-        page = self.swa_page_table[torch.div(safe, p, rounding_mode="floor")].long()
-        rows = page * p + safe % p
-        return torch.where((slots >= 0) & (page >= 0), rows, -1)
+        """int64 SWA pool rows of token slots (−1 for slot −1 or a page / SWA slot not held):
+        `ops.pool_rows.swa_rows` over this cache's map."""
+        return pool_rows.swa_rows(slots, self.swa_slot_map, self.swa_page_table, self.page_size)
 
     def entry_rows(self, ratio: int, slots: Tensor) -> Tensor:
         """Compressed / index rows of entry slots (−1 stays −1)."""

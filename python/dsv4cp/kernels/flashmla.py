@@ -264,7 +264,8 @@ def build_workspace(
     indices remapped into it: (kv [B, d] in dtype, int32 indices [t, ΣK], −1 kept).
 
     Per source, without a host sync (graph-capturable): mark the referenced cache rows, a prefix
-    sum numbers them 0…n−1 in row order, the workspace row i is decoded from the i-th marked row,
+    sum numbers them 0…n−1 in row order, `place_rows` lists the cache row of each workspace row
+    (the i-th marked row; −1 past the count), the workspace row i is decoded from it,
     and an index becomes its row's number plus the source's offset, written into its source's
     columns (`workspace_rows`: Triton on CUDA and in the interpreter, the torch twins otherwise).
     B is the static bound `chunk_bound`; a count above it (a wrong bound) trips a device-side
@@ -308,16 +309,15 @@ def build_workspace(
             continue
         mark = torch.zeros(n, dtype=torch.int32, device=device)
         numbering.mark_rows(idx, mark)
-        marked = mark.bool()
-        number = torch.cumsum(mark, 0, dtype=torch.int32) - 1  # row → workspace row
+        count = torch.cumsum(mark, 0, dtype=torch.int32)  # a marked row's number: count − 1
         if device.type == "cuda":
-            torch._assert_async(number[-1] < bound, "sparse_attention_cached: workspace bound")
-        where = torch.where(marked & (number < bound), number.long(), bound)
-        src = torch.full((bound + 1,), -1, dtype=torch.int32, device=device)
-        src.scatter_(0, where, torch.arange(n, dtype=torch.int32, device=device))
-        _decode(cache, src[:bound], fmt, d, kv[base : base + bound])
-        numbering.remap_rows(idx, number, part, base, bound)
-        kept.src.append(src[:bound])
+            torch._assert_async(count[-1] <= bound, "sparse_attention_cached: workspace bound")
+        src = torch.empty(bound, dtype=torch.int32, device=device)
+        numbering.place_rows(count, src)
+        _decode(cache, src, fmt, d, kv[base : base + bound])
+        # number = count − 1: number < bound ⇔ count < bound + 1, number + base = count + base − 1
+        numbering.remap_rows(idx, count, part, base - 1, bound + 1)
+        kept.src.append(src)
         base += bound
     return kv, out
 

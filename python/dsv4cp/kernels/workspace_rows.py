@@ -1,5 +1,6 @@
 """The workspace's row numbering in Triton (twins: `dsv4cp.ops.workspace_rows`): one pass over a
-chunk's [t, K] indices to mark the cache rows they name, one to rewrite them as workspace rows.
+chunk's [t, K] indices to mark the cache rows they name, one over the marks' prefix sum to list
+each workspace row's cache row, one to rewrite the indices as workspace rows.
 
 The torch twins build int64 copies, masks and gathers of the [t, K] indices, about ten kernels
 per source (1.4 ms of a 16K-token index layer's 4.0 ms sparse-attention stage on the H200,
@@ -15,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_T, BLOCK_K = 16, 128
+PLACE_BLOCK = 1024
 
 
 @triton.jit
@@ -44,6 +46,17 @@ def _remap_kernel(
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], res, mask=m)
 
 
+@triton.jit
+def _place_kernel(count_ptr, src_ptr, N, BOUND, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.load(count_ptr + N - 1)
+    m = i < N
+    c = tl.load(count_ptr + i, mask=m, other=0)
+    prev = tl.load(count_ptr + i - 1, mask=m & (i > 0), other=0)
+    tl.store(src_ptr + c - 1, i, mask=m & (c > prev) & (c - 1 < BOUND))
+    tl.store(src_ptr + i, tl.full([BLOCK], -1, tl.int32), mask=(i < BOUND) & (i >= total))
+
+
 def _grid(idx: Tensor) -> tuple[int, int]:
     return triton.cdiv(idx.shape[0], BLOCK_T), triton.cdiv(idx.shape[1], BLOCK_K)
 
@@ -65,6 +78,22 @@ def mark_rows(idx: Tensor, mark: Tensor) -> None:
             idx, mark, idx.shape[0], idx.shape[1], mark.shape[0], idx.stride(0),
             BT=BLOCK_T, BK=BLOCK_K,
         )  # fmt: skip
+
+
+def place_rows(count: Tensor, src: Tensor) -> None:
+    """Twin of ops.workspace_rows.place_rows (count and src int32, contiguous, count non-empty):
+    one pass over max(n, bound) where the torch twin takes a mask, a fill and a scatter."""
+    if count.dtype != torch.int32 or not count.is_contiguous() or count.dim() != 1:
+        raise ValueError("place_rows: count must be a contiguous int32 vector")
+    if src.dtype != torch.int32 or not src.is_contiguous() or src.dim() != 1:
+        raise ValueError("place_rows: src must be a contiguous int32 vector")
+    n, bound = count.shape[0], src.shape[0]
+    if n == 0 or bound == 0:
+        src.fill_(-1)
+        return
+    _place_kernel[(triton.cdiv(max(n, bound), PLACE_BLOCK),)](
+        count, src, n, bound, BLOCK=PLACE_BLOCK
+    )
 
 
 def remap_rows(idx: Tensor, number: Tensor, out: Tensor, base: int, bound: int) -> None:

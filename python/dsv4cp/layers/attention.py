@@ -54,6 +54,8 @@ from dsv4cp.routing import (
     sparse_attention_cached,
     store_index_keys,
     swa_key_rows,
+    swa_rows,
+    window_rows,
 )
 from dsv4cp.schedule import DEFAULT, Fork, Join, Node, PrepareState, Release, Schedule, Step
 
@@ -225,9 +227,11 @@ class DeepseekV41Attention(nn.Module):
 
     def _swa_store(self, st: PrepareState) -> None:
         ctx = st.ctx
-        cache, memo = ctx.cache.swa[self.layer], ctx.cross.attention
+        kv, memo = ctx.cache, ctx.cross.attention
+        cache = kv.swa[self.layer]
         if memo.store_rows is None:  # the same rows in every layer of the forward, gather order
-            rows = ctx.cache.swa_rows(ctx.meta.tokens.slots).long()
+            slots = ctx.meta.tokens.slots
+            rows = swa_rows(slots, kv.swa_slot_map, kv.swa_page_table, kv.page_size)
             if stays_rank_major(ctx.cp, ctx.layout):
                 rows = ctx.layout.rank_major(rows)
             memo.store_rows = rows
@@ -432,13 +436,18 @@ class DeepseekV41Attention(nn.Module):
         local, cache, memo = ctx.local, ctx.cache, ctx.cross.attention
         win = memo.window
         if win is None or win.shape[1] != self.window:
-            win = local.window_slots(self.window)  # positions p, p-1, …, -1 pads last
             # ascending position, -1 pads last, as the reference's `get_window_topk_idxs` and
             # sorted top-k do: the attention's fp32 sums then add the same terms in that order
-            n_win = (win >= 0).sum(dim=1, keepdim=True)
-            j = torch.arange(win.shape[1], device=win.device)
-            win = torch.where(j < n_win, win.gather(1, (n_win - 1 - j).clamp(min=0)), -1)
-            win = memo.window = cache.swa_rows(win).to(torch.int32)
+            win = memo.window = window_rows(
+                local.positions,
+                local.valid,
+                local.req_row,
+                local.req_to_token,
+                self.window,
+                cache.swa_slot_map,
+                cache.swa_page_table,
+                cache.page_size,
+            )
         if not self.role.compressed:
             return win, None
         r, topk_from = self.role.ratio, self.role.topk_from

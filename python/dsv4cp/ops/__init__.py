@@ -33,6 +33,7 @@ from dsv4cp.ops.matmul import linear_fp32
 from dsv4cp.ops.moe_experts import grouped_fp4_mm
 from dsv4cp.ops.norm import rms_norm
 from dsv4cp.ops.output import grouped_output, grouped_wo_a
+from dsv4cp.ops.pool_rows import swa_rows, window_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode, fake_act_quant_fp8
 from dsv4cp.ops.rope import YarnScaling, apply_rope, rope_cos_sin, rope_inv_freq, rope_tail_
 from dsv4cp.ops.rowwise import rowwise_linear_fp32
@@ -80,6 +81,8 @@ __all__ = [
     "store_swa_k",
     "swa_key",
     "swa_key_rows",
+    "swa_rows",
     "topk_among_blocks",
     "topk_indices",
+    "window_rows",
 ]

@@ -2,9 +2,10 @@
 `dsv4cp.kernels.workspace_rows`).
 
 `kernels.flashmla.build_workspace` decodes each cache row that a chunk's indices name once into a
-dense workspace: `mark_rows` marks the named rows, a prefix sum numbers them 0…n−1 in row order,
-and `remap_rows` rewrites each index as its row's number plus the source's offset in the
-workspace (−1 for an index outside the cache or a number past the workspace bound).
+dense workspace: `mark_rows` marks the named rows, a prefix sum of the marks counts them (a
+marked row's number is its count − 1: 0…n−1 in row order), `place_rows` lists each workspace
+row's cache row, and `remap_rows` rewrites each index as its row's number plus the source's
+offset in the workspace (−1 for an index outside the cache or a number past the workspace bound).
 
 `WorkspaceMemo` keeps the last workspace built for the next layer of the forward whose indices
 are the same tensors (`context.AttentionMemo`): its numbering is reused, the SWA source (each
@@ -70,6 +71,19 @@ def mark_rows(idx: Tensor, mark: Tensor) -> None:
     mark.scatter_reduce_(
         0, torch.where(valid, idx, 0).long().flatten(), valid.int().flatten(), "amax"
     )
+
+
+def place_rows(count: Tensor, src: Tensor) -> None:
+    """src [bound] (int32) = the cache row numbered j (marked, count − 1 = j) at each j below the
+    marked rows' total, −1 at every later j; `count` [n] (int32) is the inclusive prefix sum of
+    the marks, so row i is marked where count[i] > count[i − 1] (count[−1] read as 0)."""
+    n, bound = count.shape[0], src.shape[0]
+    prev = torch.cat([count.new_zeros(1), count[:-1]])
+    number = count.long() - 1
+    at = torch.where((count > prev) & (number < bound), number, bound)
+    out = torch.full((bound + 1,), -1, dtype=torch.int32, device=count.device)
+    out.scatter_(0, at, torch.arange(n, dtype=torch.int32, device=count.device))
+    src.copy_(out[:bound])
 
 
 def remap_rows(idx: Tensor, number: Tensor, out: Tensor, base: int, bound: int) -> None:
