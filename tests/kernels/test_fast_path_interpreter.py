@@ -6,7 +6,8 @@
 - `workspace_rows.mark_rows` / `place_rows` / `remap_rows` (the workspace's row numbering) bit
   for bit `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row
   slice, a column slice of the output, a bound below, at and above the count (`place_rows` also
-  against its definition: the i-th marked row, then −1);
+  against its definition: the i-th marked row, then −1; and over several programs), and
+  `remap_rows` in `build_workspace`'s form (the inclusive count, base − 1, bound + 1);
 - `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
   workspace, then the fused scan, or for a plain top-k this narrow the logits route: every plain
   case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and the three
@@ -131,11 +132,28 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 want = torch.full((b,), -1, dtype=torch.int32)
                 want[: min(b, total)] = marked[:b]
                 equal(srcs[1], want, f"place twin {dtype} bound {b}")
-            outs = [torch.full((19, 170), 5, dtype=torch.int32) for _ in range(2)]
+            outs = [torch.full((19, 170), 5, dtype=torch.int32) for _ in range(3)]
             kern_rows.remap_rows(idx, number, outs[0][:, 10:160], 64, bound)
             ops_rows.remap_rows(idx, number, outs[1][:, 10:160], 64, bound)
             equal(outs[0], outs[1], f"remap {dtype}")  # the columns outside untouched too
             assert bool((outs[0][:, 10:160] == -1).any()) and bool((outs[0] >= 64).any())
+            # build_workspace's form: the inclusive count, base − 1 and bound + 1
+            kern_rows.remap_rows(idx, count, outs[2][:, 10:160], 63, bound + 1)
+            equal(outs[2], outs[0], f"remap by count {dtype}")
+        # several programs (n and bounds above PLACE_BLOCK): the total read by a program that
+        # does not hold the last count, and the −1 fill in programs past n
+        n = 5000
+        mark = (torch.rand(n, generator=g) < 0.4).int()
+        count = torch.cumsum(mark, 0, dtype=torch.int32)
+        total = int(count[-1])
+        for b in (total - 700, total, total + 1500, n + 900):
+            srcs = [torch.full((b,), 77, dtype=torch.int32) for _ in range(2)]
+            kern_rows.place_rows(count, srcs[0])
+            ops_rows.place_rows(count, srcs[1])
+            equal(srcs[0], srcs[1], f"place n {n} bound {b}")
+            want = torch.full((b,), -1, dtype=torch.int32)
+            want[: min(b, total)] = mark.nonzero().flatten().int()[:b]
+            equal(srcs[0], want, f"place definition n {n} bound {b}")
 
     def index_inputs(t: int, h: int, d: int, n: int, qat: bool, seed: int):
         gg = torch.Generator().manual_seed(seed)

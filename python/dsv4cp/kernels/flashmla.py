@@ -263,8 +263,9 @@ def build_workspace(
     """The rows the queries `rows` reference, each decoded once into a dense workspace, and their
     indices remapped into it: (kv [B, d] in dtype, int32 indices [t, ΣK], −1 kept).
 
-    Per source, without a host sync (graph-capturable): mark the referenced cache rows, a prefix
-    sum numbers them 0…n−1 in row order, `place_rows` lists the cache row of each workspace row
+    Per source, without a host sync (graph-capturable): mark the referenced cache rows, their
+    prefix sum counts them (a marked row's number, 0…n−1 in row order, is its count − 1),
+    `place_rows` lists the cache row of each workspace row
     (the i-th marked row; −1 past the count), the workspace row i is decoded from it,
     and an index becomes its row's number plus the source's offset, written into its source's
     columns (`workspace_rows`: Triton on CUDA and in the interpreter, the torch twins otherwise).

@@ -106,10 +106,10 @@ def window_rows(
 ) -> Tensor:
     """Twin of ops.pool_rows.window_rows: one program per BLOCK_T rows."""
     table, stride_map, use_map = _table_args(slot_map, page_table, page_size, "window_rows")
-    t = positions.shape[0]
     if window < 1:
         raise ValueError(f"window_rows: window must be ≥ 1, got {window}")
-    if positions.dim() != 1 or valid.shape != (t,) or req_row.shape != (t,):
+    t = positions.shape[0] if positions.dim() == 1 else -1
+    if t < 0 or valid.shape != (t,) or req_row.shape != (t,):
         raise ValueError("window_rows: positions, valid and req_row must be [T] alike")
     if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
         raise ValueError("window_rows: req_to_token must be [requests, context], unit stride")

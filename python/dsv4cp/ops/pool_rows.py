@@ -37,8 +37,10 @@ def window_rows(
     page_size: int,
 ) -> Tensor:
     """int32 [T, window] SWA rows of each row's window (see the module docstring); padding rows
-    (`valid` False) and positions before 0 are −1. The slots of positions p, p−1, … are read from
-    `req_to_token[req_row]`; the n of them that are not −1 are put in ascending position order."""
+    (`valid` False) and positions before 0 are −1. The slots of positions p, p−1, …, p−W+1 are
+    read from `req_to_token[req_row]`; with n of them not −1, column j < n holds the row of
+    position p−n+1+j (ascending; −1 where that slot is −1 or not held) and the rest −1. When
+    every slot the window reads is set (as the allocators keep them), n = min(W, p+1)."""
     off = torch.arange(window, device=positions.device)
     pos = positions[:, None] - off[None, :]
     slots = req_to_token[req_row[:, None], pos.clamp(min=0)].long()
