@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
+import hashlib
 import json
 import math
 import os
@@ -417,19 +418,34 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def source_digest() -> str:
+    """sha1 (12 hex digits) of the `.py` files of the imported dsv4cp package and of benchmarks/
+    (relative paths and bytes): which tree ran, also where the checkout's git metadata is not
+    the tree's (the device's copy of the working tree reported a stale HEAD as `git_rev`)."""
+    import dsv4cp
+
+    h = hashlib.sha1()
+    for root in (Path(dsv4cp.__file__).resolve().parent, Path(__file__).resolve().parent):
+        for f in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def run_meta() -> dict[str, Any]:
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
         "git_rev": _git_rev(),
+        "source_digest": source_digest(),
         "device": device_info(),
     }
 
 
 def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Write `{"meta": {date, argv, git_rev, device}, **payload}` to `path` (parents created,
-    atomic replace) and return what was written. Tensors, dtypes, paths, enums, dataclasses and
-    numpy values are converted."""
+    """Write `{"meta": {date, argv, git_rev, source_digest, device}, **payload}` to `path`
+    (parents created, atomic replace) and return what was written. Tensors, dtypes, paths,
+    enums, dataclasses and numpy values are converted."""
     if "meta" in payload:
         raise ValueError("payload must not have a top-level 'meta' key (write_json adds it)")
     doc = {"meta": run_meta(), **payload}

@@ -40,8 +40,8 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   numbers the window and the store's rows).
 - CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
   tile the local shard; compute only; best of the executors, each named) against (CP 1 time) /
-  N, the CP 1 time the mean of the CP 1 pass's sample and one taken right before the rank's
-  (each sample's ratio is kept beside it).
+  N, the CP 1 time the mean of the CP 1 pass's sample and a second CP 1 pass's, run just before
+  the CP size's ranks (each sample's ratio is kept beside it).
 - `--keep-bf16-weights`: the layers hold bf16 copies of their fp8 projections
   (`Linear.keep_dequantized`, what $DSV4CP_KEEP_BF16_WEIGHTS asks of the loader), so the GEMMs
   skip the per-call weight dequantization; the peer shares the layer's projections, so both.
@@ -608,11 +608,18 @@ class Run:
     ) -> None:
         """Rank 0 of CP = n alone (its gathers tile its shard): compute only, one GPU. The CP 1
         time it is held against is the mean of two samples: the CP 1 pass's (`cp1_pass_ms`) and
-        one taken right before the rank's (`cp1_now_ms`, layers in model order on the CP 1
-        context, as in the pass). One layer's CP 1 graph time varied by up to 8 % between
-        samples minutes apart on the H200 (docs/performance.md §14), as much as the targets'
-        margins; each sample's ratio is kept too (`rank_over_ideal_pass`, `_now`)."""
+        one from a second CP 1 pass run just before this CP size's ranks (`cp1_now_ms`). Both
+        passes run the layers in model order on the CP 1 context, so each layer reads caches the
+        CP 1 forwards of the layers before it wrote (the rank context shares the cache: a CP 1
+        sample taken between rank forwards would read the ranks' rows). One layer's CP 1 graph
+        time varied by up to 8 % between samples minutes apart on the H200 (docs/performance.md
+        §14), as much as the targets' margins; each sample's ratio is kept too
+        (`rank_over_ideal_pass`, `_now`)."""
+        now_ms: dict[int, float] = {}
         try:
+            for i in self.layer_ids:  # the second CP 1 pass
+                if i in cp1 and self.budget.left() > 0:
+                    now_ms[i] = self.best_time(self.layers[i], x1, ctx1)[0]
             ctx = ForwardContext.for_rank(ctx1.meta, ctx1.cache, SoloCPGroup(n))
             x = torch.randn(
                 ctx.local_rows, self.cfg.hidden_size, device=self.device, dtype=self.dtype
@@ -624,12 +631,12 @@ class Run:
         for i in self.layer_ids:
             layer = self.layers[i]
             row: dict[str, Any] = dict(case=case, cp=n, layer=i, role=layer.role.name)
-            if self.budget.left() <= 0 or i not in cp1:
+            if self.budget.left() <= 0 or i not in now_ms:
                 row["error"] = "time budget" if self.budget.left() <= 0 else "no CP 1 time"
                 out.append(row)
                 continue
             try:
-                now = self.best_time(layer, x1, ctx1)[0]  # CP 1, right before the rank
+                now = now_ms[i]
                 times = self.best_time(layer, x, ctx)[1]
                 how = min(times, key=lambda k: times[k])
                 best = times[how]

@@ -12,6 +12,7 @@ from benchmarks.benchutil import (
     device_info,
     gbps,
     read_json,
+    source_digest,
     summarize,
     tflops,
     time_cuda,
@@ -89,6 +90,7 @@ def test_write_json_round_trip(tmp_path: Path) -> None:
     assert meta["argv"] == sys.argv
     assert meta["date"].endswith("+00:00")
     assert meta["device"]["torch"] == torch.__version__
+    assert meta["source_digest"] == source_digest() and len(meta["source_digest"]) == 12
     assert not list(out.parent.glob(".*tmp*"))
     with pytest.raises(ValueError):
         write_json(out, {"meta": 1})
