@@ -40,8 +40,9 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   numbers the window and the store's rows).
 - CP rows (case chunk16k@112k): rank 0's time at CP = 4 and 8 (`SoloCPGroup`: one GPU, gathers
   tile the local shard; compute only; best of the executors, each named) against (CP 1 time) /
-  N, the CP 1 time the mean of the CP 1 pass's sample and a second CP 1 pass's, run just before
-  the CP size's ranks (each sample's ratio is kept beside it).
+  N. Each of `--cp-repeats` repeats runs a CP 1 pass, then the ranks: the CP 1 time is the mean
+  of all CP 1 samples (the first pass's too), the rank time the median of the repeats', and
+  each repeat's ratio is kept with their min and max.
 - `--keep-bf16-weights`: the layers hold bf16 copies of their fp8 projections
   (`Linear.keep_dequantized`, what $DSV4CP_KEEP_BF16_WEIGHTS asks of the loader), so the GEMMs
   skip the per-call weight dequantization; the peer shares the layer's projections, so both.
@@ -57,6 +58,7 @@ import dataclasses
 import gc
 import logging
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -371,6 +373,7 @@ class Run:
         if args.layers:
             self.layer_ids = tuple(int(v) for v in args.layers.split(","))
         self.timer = Timer(self.device, args.iters, args.target_s)
+        self.cp_repeats = args.cp_repeats
         self.sweep = args.sweep and not args.smoke
         self.budget = Budget(args.budget_s)
         self.quant: QuantMode = args.quant
@@ -606,20 +609,17 @@ class Run:
         cp1: dict[int, float],
         out: list[dict[str, Any]],
     ) -> None:
-        """Rank 0 of CP = n alone (its gathers tile its shard): compute only, one GPU. The CP 1
-        time it is held against is the mean of two samples: the CP 1 pass's (`cp1_pass_ms`) and
-        one from a second CP 1 pass run just before this CP size's ranks (`cp1_now_ms`). Both
-        passes run the layers in model order on the CP 1 context, so each layer reads caches the
-        CP 1 forwards of the layers before it wrote (the rank context shares the cache: a CP 1
-        sample taken between rank forwards would read the ranks' rows). One layer's CP 1 graph
-        time varied by up to 8 % between samples minutes apart on the H200 (docs/performance.md
-        §14), as much as the targets' margins; each sample's ratio is kept too
-        (`rank_over_ideal_pass`, `_now`)."""
-        now_ms: dict[int, float] = {}
+        """Rank 0 of CP = n alone (its gathers tile its shard): compute only, one GPU, against
+        (CP 1 time) / n. One layer's CP 1 graph time varied by up to 8 % between samples minutes
+        apart on the H200 (docs/performance.md §14), as much as the targets' margins, so each
+        repeat (`--cp-repeats`) first runs a CP 1 pass of its own, then the ranks; the CP 1 time
+        is the mean of the first pass's sample and the repeats' (`cp1_samples_ms`), the rank
+        time the median of the repeats' (`rank_samples_ms`), and each repeat's ratio (its rank
+        over the mean of the first pass's and its own CP 1 sample) is kept with their min and
+        max. The CP 1 passes run the layers in model order on the CP 1 context, so each layer
+        reads what the CP 1 forwards of the layers before it wrote (the rank context shares the
+        cache: a CP 1 sample taken between rank forwards would read the ranks' rows)."""
         try:
-            for i in self.layer_ids:  # the second CP 1 pass
-                if i in cp1 and self.budget.left() > 0:
-                    now_ms[i] = self.best_time(self.layers[i], x1, ctx1)[0]
             ctx = ForwardContext.for_rank(ctx1.meta, ctx1.cache, SoloCPGroup(n))
             x = torch.randn(
                 ctx.local_rows, self.cfg.hidden_size, device=self.device, dtype=self.dtype
@@ -628,36 +628,67 @@ class Run:
             traceback.print_exc()
             out.append(dict(case=case, cp=n, error=_err(exc)))
             return
+        samples: dict[int, list[tuple[float, float, dict[str, float]]]] = {}
+        errors: dict[int, str] = {}
+        for rep in range(self.cp_repeats):
+            now_ms: dict[int, float] = {}
+            for i in self.layer_ids:  # this repeat's CP 1 pass
+                if i in cp1 and i not in errors and self.budget.left() > 0:
+                    try:
+                        now_ms[i] = self.best_time(self.layers[i], x1, ctx1)[0]
+                    except Exception as exc:
+                        traceback.print_exc()
+                        errors[i] = _err(exc)
+                        _release(self.device)
+            for i in self.layer_ids:
+                if i not in now_ms or self.budget.left() <= 0:
+                    continue
+                try:
+                    times = self.best_time(self.layers[i], x, ctx)[1]
+                except Exception as exc:
+                    traceback.print_exc()
+                    errors[i] = _err(exc)
+                    _release(self.device)
+                    continue
+                samples.setdefault(i, []).append((now_ms[i], min(times.values()), times))
+                best, now = min(times.values()), now_ms[i]
+                print(
+                    f"    CP {n} layer {i} (repeat {rep + 1}): {best:.3f} ms = "
+                    f"{best / ((now + cp1[i]) / 2 / n):.3f}x ideal (CP 1 {cp1[i]:.3f} / "
+                    f"{now:.3f} ms; {', '.join(f'{k} {v:.3f}' for k, v in times.items())})",
+                    flush=True,
+                )
         for i in self.layer_ids:
             layer = self.layers[i]
             row: dict[str, Any] = dict(case=case, cp=n, layer=i, role=layer.role.name)
-            if self.budget.left() <= 0 or i not in now_ms:
-                row["error"] = "time budget" if self.budget.left() <= 0 else "no CP 1 time"
+            if i not in samples:
+                row["error"] = errors.get(i) or ("no CP 1 time" if i not in cp1 else "time budget")
                 out.append(row)
                 continue
-            try:
-                now = now_ms[i]
-                times = self.best_time(layer, x, ctx)[1]
-                how = min(times, key=lambda k: times[k])
-                best = times[how]
-                mean = (now + cp1[i]) / 2
-                row.update(rank_ms=best, cp1_ms=mean, ideal_ms=mean / n, rank_executor=how)
-                row["rank_ms_by_executor"] = times
-                row["rank_over_ideal"] = best / row["ideal_ms"]
-                row["cp1_pass_ms"], row["cp1_now_ms"] = cp1[i], now
-                row["rank_over_ideal_pass"] = best / (cp1[i] / n)
-                row["rank_over_ideal_now"] = best / (now / n)
-                row["replicated"] = _replicated(layer)
-                print(
-                    f"    CP {n} layer {i}: {best:.3f} ms = {row['rank_over_ideal']:.3f}x ideal "
-                    f"(CP 1 {cp1[i]:.3f} / {now:.3f} ms: {row['rank_over_ideal_pass']:.3f}x / "
-                    f"{row['rank_over_ideal_now']:.3f}x; {how}; "
-                    f"{', '.join(f'{k} {v:.3f}' for k, v in times.items())})"
-                )
-            except Exception as exc:
-                traceback.print_exc()
-                row["error"] = _err(exc)
-                _release(self.device)
+            got = samples[i]
+            cp1_all = [cp1[i]] + [s[0] for s in got]
+            ranks = [s[1] for s in got]
+            mean = statistics.fmean(cp1_all)
+            rank = statistics.median(ranks)
+            per_repeat = [r / ((cp1[i] + c) / 2 / n) for c, r, _ in got]
+            last = got[-1][2]
+            row.update(rank_ms=rank, cp1_ms=mean, ideal_ms=mean / n)
+            row["rank_over_ideal"] = rank / row["ideal_ms"]
+            row["rank_over_ideal_min"], row["rank_over_ideal_max"] = (
+                min(per_repeat),
+                max(per_repeat),
+            )
+            row["rank_over_ideal_repeats"] = per_repeat
+            row["cp1_samples_ms"], row["rank_samples_ms"] = cp1_all, ranks
+            row["rank_executor"] = min(last, key=lambda k: last[k])
+            row["rank_ms_by_executor"] = [s[2] for s in got]
+            row["replicated"] = _replicated(layer)
+            print(
+                f"    CP {n} layer {i}: {rank:.3f} ms = {row['rank_over_ideal']:.3f}x ideal "
+                f"({len(got)} repeat(s): {row['rank_over_ideal_min']:.3f}–"
+                f"{row['rank_over_ideal_max']:.3f}x)",
+                flush=True,
+            )
             out.append(row)
 
     def best_time(
@@ -790,9 +821,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="hold bf16 copies of the fp8 projections (no per-call dequantization; both paths)",
     )
+    ap.add_argument(
+        "--cp-repeats",
+        type=int,
+        default=1,
+        help="CP rows: repeats of (a CP 1 pass, then the ranks) per CP size; median and spread",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, torch peer parts")
     ap.add_argument("--out", default="out/layer_peer.json")
     args = ap.parse_args(argv)
+    if args.cp_repeats < 1:
+        print(f"layer_peer: --cp-repeats must be ≥ 1, got {args.cp_repeats}", file=sys.stderr)
+        return 2
     if not args.smoke and not torch.cuda.is_available():
         print("layer_peer: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
@@ -857,8 +897,8 @@ def report(
                 "rank_ms",
                 "ideal_ms",
                 "rank_over_ideal",
-                "rank_over_ideal_pass",
-                "rank_over_ideal_now",
+                "rank_over_ideal_min",
+                "rank_over_ideal_max",
                 "error",
             ],
             title="CP per-rank time (rank 0 alone, gathers tile its shard; compute only)",

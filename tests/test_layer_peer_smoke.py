@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from benchmarks import layer_peer
 
 
@@ -24,8 +25,27 @@ def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
     assert all(r["fused_rows_identical"] == 1.0 for r in index_rows)  # the ops twins on the CPU
     assert {r["cp"] for r in doc["cp_rows"]} == {2}
     assert all("rank_over_ideal" in r for r in doc["cp_rows"])
+    for r in doc["cp_rows"]:  # one repeat: the first pass's and the repeat's CP 1 samples
+        assert len(r["cp1_samples_ms"]) == 2 and len(r["rank_samples_ms"]) == 1
+        assert r["rank_over_ideal_min"] == r["rank_over_ideal_max"] == r["rank_over_ideal"]
     assert doc["targets"] and doc["config"] == "tiny" and doc["quant"] == "qat"
     assert all(r["attn_layer_ms"] > 0 for r in rows)
+
+
+def test_cp_repeats_give_the_median_and_the_spread(tmp_path: Path) -> None:
+    out = tmp_path / "peer.json"
+    argv = ["--smoke", "--cases", "chunk32@80", "--layers", "0,1", "--no-peer", "--iters", "2"]
+    argv += ["--target-s", "0.001", "--cp-repeats", "3", "--out", str(out)]
+    assert layer_peer.main(argv) == 0
+    cp_rows = json.loads(out.read_text())["cp_rows"]
+    assert [r["layer"] for r in cp_rows] == [0, 1]
+    for r in cp_rows:
+        ranks, cp1 = r["rank_samples_ms"], r["cp1_samples_ms"]
+        assert len(ranks) == 3 and len(cp1) == 4 and len(r["rank_over_ideal_repeats"]) == 3
+        assert r["rank_ms"] == sorted(ranks)[1] and r["cp1_ms"] == pytest.approx(sum(cp1) / 4)
+        assert r["rank_over_ideal"] == r["rank_ms"] / (r["cp1_ms"] / 2)
+        assert r["rank_over_ideal_min"] <= r["rank_over_ideal_max"]
+    assert layer_peer.main([*argv[:-4], "--cp-repeats", "0", "--out", str(out)]) == 2
 
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:
