@@ -458,6 +458,15 @@ def write_json(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> dict
     return json.loads(text)
 
 
+def finish(path: str | os.PathLike[str], payload: Mapping[str, Any], ok: bool = True) -> int:
+    """A benchmark's last step: `write_json(path, payload)` with the run's `device` beside the
+    payload (as the benchmarks' results have it), "wrote <path>" printed, and the exit status:
+    0, or 1 where `ok` is False (a variant's output differed from its reference)."""
+    write_json(path, {**payload, "device": device_info()})
+    print(f"wrote {path}", flush=True)
+    return 0 if ok else 1
+
+
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

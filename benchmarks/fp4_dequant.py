@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, time_cuda, write_json
+from benchmarks.benchutil import Table, finish, time_cuda
 from dsv4cp.kernels import fp4_dequant as kernel
 from dsv4cp.ops import linear as ops_linear
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add(row)
         rows.append(row)
     table.print()
-    write_json(
+    return finish(
         args.out,
         {
             "benchmark": "fp4_dequant",
@@ -87,11 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "bfloat16",
             "shipped": list(kernel.CONFIG),
             "rows": rows,
-            "device": device_info(),
         },
+        all(r["equal_to_twin"] for r in rows),
     )
-    print(f"wrote {args.out}")
-    return 0 if all(r["equal_to_twin"] for r in rows) else 1
 
 
 if __name__ == "__main__":

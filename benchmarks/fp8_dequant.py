@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, time_graph, write_json
+from benchmarks.benchutil import Table, finish, time_graph
 from dsv4cp.kernels import fp8_dequant as kernel
 from dsv4cp.ops import linear as ops_linear
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add(row)
             rows.append(row)
     table.print()
-    write_json(
+    return finish(
         args.out,
         {
             "benchmark": "fp8_dequant",
@@ -88,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": SHAPES,
             "shipped": list(kernel.CONFIG),
             "rows": rows,
-            "device": device_info(),
         },
+        all(r["equal_to_twin"] for r in rows),
     )
-    print(f"wrote {args.out}")
-    return 0 if all(r["equal_to_twin"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
+from benchmarks.benchutil import Table, finish, tflops, time_cuda
 from dsv4cp.kernels.fp8_linear import (
     dequant_mm,
     dequant_weight_bf16,
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         table.add(row)
     table.print()
-    write_json(args.out, {"benchmark": "fp8_gemm", "rows": rows, "device": device_info()})
-    print(f"wrote {args.out}")
-    return 0
+    return finish(args.out, {"benchmark": "fp8_gemm", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, time_cuda, write_json
+from benchmarks.benchutil import Table, finish, time_cuda
 from dsv4cp.kernels import indexer_topk as kernel
 
 # (BLOCK_T, BLOCK_N, warps, stages) tried against the shipped `kernel.DEFAULT_CONFIG`
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                     table.add(row)
                 torch.cuda.empty_cache()
     table.print()
-    write_json(
+    return finish(
         args.out,
         {
             "benchmark": "indexer_scan",
@@ -145,11 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": dict(heads=HEADS, dim=DIM, top_k=TOP_K, blocks=BLOCKS, block=BLOCK_SIZE),
             "shipped": list(shipped),
             "rows": rows,
-            "device": device_info(),
         },
+        all(r["equal_to_shipped"] for r in rows),
     )
-    print(f"wrote {args.out}")
-    return 0 if all(r["equal_to_shipped"] for r in rows) else 1
 
 
 if __name__ == "__main__":

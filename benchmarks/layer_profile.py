@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.benchutil import device_info, write_json
+from benchmarks.benchutil import finish
 from benchmarks.layer_peer import build_layers, make_context
 from benchmarks.prefill import SoloCPGroup
 from benchmarks.profile_stages import by_stage
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                     one = by_stage_all[f"cp1/{i}"]
                     result["cp_excess"][key] = _print_cp_excess(i, n, one, stages)  # type: ignore[index,arg-type]
     result["by_stage"] = by_stage_all
-    write_json(args.out, {"benchmark": "layer_profile", **result, "device": device_info()})
-    print(f"wrote {args.out}")
-    return 0
+    return finish(args.out, {"benchmark": "layer_profile", **result})
 
 
 if __name__ == "__main__":

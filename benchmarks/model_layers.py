@@ -34,7 +34,6 @@ of 32 experts, so it is not captured). No Engram (its 189 GiB tables) and vocab 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
+from benchmarks.benchutil import Table, finish, tflops, time_cuda
 from benchmarks.profile_stages import by_stage
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.model import DeepseekV41Model
@@ -295,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {t} tokens: {row['tok_per_s']:.0f} tok/s", flush=True)
     table.print()
     profile = profile_stages(model, args.profile_tokens, device) if args.profile_tokens else None
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_json(
+    return finish(
         args.out,
         {
             "benchmark": "model_layers",
@@ -307,11 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             "paths": check,
             "rows": rows,
             "profile_by_stage": profile,
-            "device": device_info(),
         },
+        check["equal_up_to_bf16"],
     )
-    print(f"wrote {args.out}")
-    return 0 if check["equal_up_to_bf16"] else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.benchutil import Table, device_info, tflops, time_cuda, write_json
+from benchmarks.benchutil import Table, finish, tflops, time_cuda
 from dsv4cp.layers.moe import ROUTED_EXPERT_KERNELS
 from dsv4cp.ops.moe_experts import grouped_expert_mlp
 from dsv4cp.ops.moe_weights import ExpertStack
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         table.add(row)
     table.print()
-    write_json(
+    return finish(
         args.out,
         {
             "benchmark": "moe_experts",
@@ -98,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"experts": EXPERTS, "top_k": TOP_K, "dim": DIM, "inter": INTER},
             "bf16_ceiling_tflops": ceiling,
             "rows": rows,
-            "device": device_info(),
         },
     )
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

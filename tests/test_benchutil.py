@@ -10,6 +10,7 @@ import torch
 from benchmarks.benchutil import (
     Table,
     device_info,
+    finish,
     gbps,
     read_json,
     source_digest,
@@ -96,6 +97,18 @@ def test_write_json_round_trip(tmp_path: Path) -> None:
         write_json(out, {"meta": 1})
     with pytest.raises(TypeError):
         write_json(out, {"bad": object()})
+
+
+def test_finish_writes_the_payload_with_the_device_and_returns_the_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sub" / "bench.json"
+    assert finish(out, {"benchmark": "x", "rows": [1]}) == 0
+    back = read_json(out)
+    assert back["benchmark"] == "x" and back["rows"] == [1]
+    assert back["device"] == back["meta"]["device"] == json.loads(json.dumps(device_info()))
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert finish(out, {"benchmark": "x"}, ok=False) == 1
 
 
 def test_device_info() -> None:
