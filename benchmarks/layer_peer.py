@@ -424,10 +424,9 @@ class Run:
             attention=record_attention,
         ):
             self.forward(layer, x, ctx)  # also leaves this layer's records for the later layers
-        for name, ex in self.executors.items():
-            ms, how = self.timer(lambda ex=ex: self.forward(layer, x, ctx, ex))
-            if ms < row.get("dsv4cp_ms", float("inf")):
-                row["dsv4cp_ms"], row["dsv4cp_path"] = ms, f"{how} {name}"
+        timed = self.executor_times(layer, x, ctx)
+        name = min(timed, key=lambda k: timed[k][0])
+        row["dsv4cp_ms"], row["dsv4cp_path"] = timed[name][0], f"{timed[name][1]} {name}"
         self.forward(layer, x, ctx)  # later layers read records made eagerly, not in a graph
         row["dsv4cp_indexer"] = "fused (layer)" if role.index_source else "-"
         row["dsv4cp_attention"] = _attention_backend(record["attn"][0])
@@ -635,7 +634,9 @@ class Run:
             for i in self.layer_ids:  # this repeat's CP 1 pass
                 if i in cp1 and i not in errors and self.budget.left() > 0:
                     try:
-                        now_ms[i] = self.best_time(self.layers[i], x1, ctx1)[0]
+                        now_ms[i] = min(
+                            self.times_between_forwards(self.layers[i], x1, ctx1).values()
+                        )
                     except Exception as exc:
                         traceback.print_exc()
                         errors[i] = _err(exc)
@@ -644,14 +645,14 @@ class Run:
                 if i not in now_ms or self.budget.left() <= 0:
                     continue
                 try:
-                    times = self.best_time(self.layers[i], x, ctx)[1]
+                    times = self.times_between_forwards(self.layers[i], x, ctx)
                 except Exception as exc:
                     traceback.print_exc()
                     errors[i] = _err(exc)
                     _release(self.device)
                     continue
-                samples.setdefault(i, []).append((now_ms[i], min(times.values()), times))
                 best, now = min(times.values()), now_ms[i]
+                samples.setdefault(i, []).append((now, best, times))
                 print(
                     f"    CP {n} layer {i} (repeat {rep + 1}): {best:.3f} ms = "
                     f"{best / ((now + cp1[i]) / 2 / n):.3f}x ideal (CP 1 {cp1[i]:.3f} / "
@@ -691,18 +692,24 @@ class Run:
             )
             out.append(row)
 
-    def best_time(
+    def executor_times(
         self, layer: DeepseekV41Attention, x: torch.Tensor, ctx: ForwardContext
-    ) -> tuple[float, dict[str, float]]:
-        """The layer's best time over the executors (and each one's), between eager forwards
-        that leave its records for the later layers."""
-        self.forward(layer, x, ctx)
-        times = {
-            name: self.timer(lambda ex=ex: self.forward(layer, x, ctx, ex))[0]
+    ) -> dict[str, tuple[float, str]]:
+        """Each executor's time of the layer's forward, and how it was timed (graph / eager)."""
+        return {
+            name: self.timer(lambda ex=ex: self.forward(layer, x, ctx, ex))
             for name, ex in self.executors.items()
         }
+
+    def times_between_forwards(
+        self, layer: DeepseekV41Attention, x: torch.Tensor, ctx: ForwardContext
+    ) -> dict[str, float]:
+        """`executor_times` (ms) between eager forwards that leave the layer's records for the
+        later layers."""
+        self.forward(layer, x, ctx)
+        times = {name: ms for name, (ms, _) in self.executor_times(layer, x, ctx).items()}
         self.forward(layer, x, ctx)  # eager records for the later layers
-        return min(times.values()), times
+        return times
 
 
 def _triton_cached(*a: Any) -> torch.Tensor:
