@@ -119,10 +119,11 @@ def test_merge_and_member_kernels_compile_for_sm90() -> None:
     from dsv4cp.kernels.indexer_topk_merge import merge_kernel
     from dsv4cp.kernels.indexer_topk_scan import member_kernel
 
-    const = dict(K=512, K_PAD=512, P_PAD=16, CAP=1024, PREFIX=True)
-    _compile(
-        merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
-    )
+    for bits in (16, 32):  # qat's bf16 scores, fp32's
+        const = dict(K=512, K_PAD=512, P_PAD=16, CAP=1024, PREFIX=True, KEY_BITS=bits)
+        _compile(
+            merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
+        )
     _compile(member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
 
 
@@ -161,3 +162,17 @@ def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
     )  # fmt: skip
     ptx = _compile(m._mqa_logits_cached_kernel, types, const, warps, stages)
     assert "wgmma.mma_async" in ptx
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
+    """`kernels/topk`'s selections (the logits route's, the candidate blocks'), both searches."""
+    from dsv4cp.kernels import topk as m
+
+    ptrs = ["*fp32", "*i32", "*i32"]
+    row = dict(K=512, OUT_BLOCK=512, BLOCK=8192, KEY_BITS=bits)
+    _compile(m._topk_row_kernel, ptrs + ["i32"] * 3, row, 4, 1)
+    piece = dict(K=512, BLOCK=16384, KEY_BITS=bits)
+    _compile(m._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
+    cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits)
+    _compile(m._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)

@@ -212,7 +212,8 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
     def qat_key_bits():
         # qat scores are bf16 values (many ties after rounding, both signs): the 16-bit search
         # (the default) and the 32-bit one select what the twin selects, with cuts (cap 64),
-        # several pieces, the candidate source's blocks and the consumer's gather mode.
+        # several pieces (their merge), the candidate source's blocks, the consumer's gather mode
+        # and the logits route's selection.
         q, w, k, nv = inputs(27, 4, 16, 200, seed=11)
         q, k = q * 37, k * 29  # products beyond bf16's 8 bits: the roundings tie columns
         nv[:3] = torch.tensor([200, 0, 5])
@@ -239,6 +240,9 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                 block_ids=ids, block_size=4, consumer="gather",
             )  # fmt: skip
             equal(got, want_among, f"qat gather key_bits={bits}")
+            got, _ = kern.launch_mqa_topk(q, w, k, nv, 16, quant="qat", key_bits=bits,
+                                          route="logits")  # fmt: skip
+            equal(got, want, f"qat logits route key_bits={bits}")
 
     def random_floats_tie_aware():
         g = torch.Generator().manual_seed(7)

@@ -26,6 +26,7 @@ FAST = [
     "mqa_t1_and_no_visible",
     "topk_in_registers",
     "topk_two_level",
+    "topk_key_bits",
     "topk_n_le_k",
     "attention_fp32",
     "attention_bf16_with_invalid",
@@ -183,6 +184,32 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             got = launch_topk(logits, nv, k, piece=64, stream=32, cap=cap)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, want)
+
+    def topk_key_bits():
+        # bf16-valued logits (both signs, heavy ties, ±inf): the 17-step search selects what the
+        # 32-step one and the twin select, in registers, two-level and its overflow fallback
+        torch.manual_seed(8)
+        t, w, k = 5, 300, 24
+        logits = (torch.randn(t, w) * 3).bfloat16().float()
+        logits[0, 10:90] = 0.5
+        logits[1] = float("-inf")
+        logits[1, ::7] = torch.randn(43).bfloat16().float()
+        logits[2, ::5] = float("inf")
+        logits[3] = torch.randint(-3, 4, (w,)).float()
+        nv = torch.tensor([300, 300, 257, 130, 25])
+        want = ops.topk_indices(logits, nv, k)
+        for kw in ({}, {"piece": 64, "stream": 32}, {"piece": 64, "stream": 32, "cap": 32}):
+            for bits in (16, 32):
+                got = launch_topk(logits, nv, k, key_bits=bits, **kw)
+                check_topk_valid(got, logits, nv, k)
+                assert torch.equal(got, want), (kw, bits)
+        for bad in (8, 31):
+            try:
+                launch_topk(logits, nv, k, key_bits=bad)
+            except ValueError as e:
+                assert "key_bits must be 16 or 32" in str(e)
+            else:
+                raise AssertionError(f"key_bits={bad} accepted")
 
     def topk_n_le_k():
         logits = torch.randn(4, 40)

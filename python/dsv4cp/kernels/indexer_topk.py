@@ -133,15 +133,17 @@ def launch_mqa_topk(
     scores only the published blocks' keys, "auto" gathers when the width is at least
     GATHER_WIDTH_RATIO times the published positions. `quant="qat"`: the reference's bf16 index
     scores (each head's term rounded as `index_scores_qat`, the head sum rounded once).
-    `key_bits`: the high key bits the running top-k's search walks (`running_topk`); default 16
-    in qat (the scores are bf16 values), else 32; 32 in qat is the slower equivalent.
+    `key_bits`: the high key bits every search walks — the running top-k's cuts
+    (`running_topk`), the pieces' merge, the candidate blocks' and the logits route's selection
+    (`topk.launch_topk`); default 16 in qat (the scores are bf16 values), else 32; 32 in qat is
+    the slower equivalent.
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
     same bits as `packed=False`, which rounds one value at a time). `route`: "scan" (the fused
     kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
     the selection kernel), or "auto" (`pick_route`, what the layer's calls take)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
-    scan_knobs = (config, pieces, cap, key_bits, row_group, consumer, packed) != (
-        (None,) * 4 + (4, "auto", True)
+    scan_knobs = (config, pieces, cap, row_group, consumer, packed) != (
+        (None,) * 3 + (4, "auto", True)
     )
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
@@ -183,7 +185,9 @@ def launch_mqa_topk(
             blocks_out.fill_(-1)
         return out, blocks_out
     if use_logits:
-        return logits_then_topk(q, weights, k, n_visible, k_top, k_start, width, quant), None
+        return logits_then_topk(
+            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits
+        ), None
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(1) != 1:
@@ -252,12 +256,12 @@ def launch_mqa_topk(
             merge_kernel[(rows,)](
                 sk, si, cnt, nv, o, width, p, o.stride(0),
                 K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap,
-                PREFIX=not member_mode,
+                PREFIX=not member_mode, KEY_BITS=key_bits,
                 num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * k_pad // 1024)))),
             )  # fmt: skip
         if blocks_out is not None:
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size
-            blocks_out[a:b] = _launch_topk(bmax, n_blocks, max_blocks)
+            blocks_out[a:b] = _launch_topk(bmax, n_blocks, max_blocks, key_bits=key_bits)
     return out, blocks_out
 
 
@@ -282,12 +286,14 @@ def logits_then_topk(
     k_start: Tensor | None,
     width: int,
     quant: QuantMode,
+    key_bits: int = 32,
 ) -> Tensor:
     """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
-    row chunks), with the kernels: `mqa_logits`, then `topk_indices`. int32 [T, k_top]."""
+    row chunks), with the kernels: `mqa_logits`, then `topk_indices` (its search over
+    `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
     (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
-        lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top)],
+        lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top, key_bits=key_bits)],
         quant, logits_fn=launch_mqa_logits,
     )  # fmt: skip
     return out

@@ -3,8 +3,9 @@
 Each row keeps its running selection in a small buffer of CAP (order-preserving int32 key,
 column) pairs in column order (`kernels.topk._sortable` makes the keys). A column enters when its
 key beats the row's threshold τ, the K-th largest key seen so far (INT_MIN until the row has seen
-K). When a buffer is nearly full it is cut to exactly its top K by (key desc, column asc): the
-32-step bitwise search of `kernels/topk.py`, vectorised over rows (`kth_rows`), then a stable
+K). When a buffer is nearly full it is cut to exactly its top K by (key desc, column asc): a
+bitwise search over the keys (`kth_rows`, vectorised over rows; `kernels/topk.py` runs it on one
+row for its selections and the pieces' merge), then a stable
 compaction (`cut_rows`); τ rises. A later column enters only if its key is > τ: on a tie it loses
 to the K buffered keys, which all have smaller columns. After the last column the buffer is the
 exact top K in the total order of `ops.indexer._pick_topk` (value, then the smaller index).

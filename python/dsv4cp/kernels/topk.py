@@ -1,17 +1,19 @@
 """Exact per-row top-k indices by threshold search (attention-math §4.5, §5.3).
 
 fp32 logits map to order-preserving int32 keys; a 32-step bitwise search finds the k-th largest
-key τ (each step counts keys ≥ a candidate); the output is every key > τ plus the first
-(k − #greater) keys == τ in index order, so ties resolve to the lowest indices (as the ops twin
-does). Positions come from a prefix sum over the selection mask, which leaves the output sorted
-ascending with no sort. Rows with n ≤ k write 0..n-1 and -1 pads without a search.
+key τ (each step counts keys ≥ a candidate; `key_bits=16`: 17 steps, for logits that are all
+bf16 values, as qat's index scores are — `running_topk`'s module docstring says why); the
+output is every key > τ plus the first (k − #greater) keys == τ in index order, so ties resolve
+to the lowest indices (as the ops twin does). Positions come from a prefix sum over the
+selection mask, which leaves the output sorted ascending with no sort. Rows with n ≤ k write
+0..n-1 and -1 pads without a search.
 
-Rows up to MAX_SINGLE wide: one program per row, the row in registers for all 32 steps.
+Rows up to MAX_SINGLE wide: one program per row, the row in registers for every step.
 Wider rows, two levels: (1) one program per CHUNK-wide piece finds that piece's k-th largest key,
 and the largest of those is a lower bound of the row's k-th largest (that piece alone holds k
 keys ≥ it); (2) one program per row compacts the keys ≥ the bound (at most pieces·k plus ties,
 in index order) and selects among them in registers. A row whose candidates overflow the buffer
-(heavy ties) falls back to searching the whole row from memory (33 passes).
+(heavy ties) falls back to searching the whole row from memory (a pass per step, one more).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from dsv4cp.kernels.running_topk import kth_rows
 
 MAX_K = 4096
 MAX_SINGLE = 16384
@@ -42,17 +46,10 @@ def _load_keys(row_ptr, cols, n):
 
 
 @triton.jit
-def _kth_key(keys, K: tl.constexpr):
-    """The K-th largest of `keys` (int32; pads are INT_MIN and never counted)."""
-    # τ is built bit by bit in the unsigned image u = key + 2^31 (held as int64).
-    tau_u = tl.zeros([], dtype=tl.int64)
-    one = tl.full([], 1, tl.int64)
-    half = tl.full([], 2147483648, tl.int64)
-    for i in range(32):
-        cand_u = tau_u + (one << (31 - i))
-        cnt = tl.sum((keys >= (cand_u - half).to(tl.int32)).to(tl.int32), 0)
-        tau_u = tl.where(cnt >= K, cand_u, tau_u)
-    return (tau_u - half).to(tl.int32)
+def _kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The K-th largest of `keys` [C] (int32; pads are INT_MIN and never counted): the running
+    top-k's search (`running_topk.kth_rows`, KEY_BITS as there) over one row."""
+    return tl.max(kth_rows(tl.reshape(keys, [1, keys.shape[0]]), 1, K, KEY_BITS), 0)
 
 
 @triton.jit
@@ -67,20 +64,32 @@ def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
 
 
 @triton.jit
-def _stream_select(row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Whole-row search from memory: 32 counting passes, one counting pass, one writing pass."""
+def _stream_raise(row_ptr, n, tau_u, step, K: tl.constexpr, BLOCK: tl.constexpr):
+    """tau_u + step where at least K keys of the row are ≥ it (unsigned images), else tau_u:
+    one counting pass over the row in memory."""
+    cols = tl.arange(0, BLOCK)
+    cand_u = tau_u + step
+    cand = (cand_u - 2147483648).to(tl.int32)
+    cnt = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        cnt += tl.sum((_load_keys(row_ptr, c0 + cols, n) >= cand).to(tl.int32), 0)
+    return tl.where(cnt >= K, cand_u, tau_u)
+
+
+@triton.jit
+def _stream_select(
+    row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr
+):
+    """Whole-row search from memory: KEY_BITS (+1 below 32) counting passes (`kth_rows`' search),
+    one counting pass, one writing pass."""
     cols = tl.arange(0, BLOCK)
     tau_u = tl.zeros([], dtype=tl.int64)
     one = tl.full([], 1, tl.int64)
-    half = tl.full([], 2147483648, tl.int64)
-    for i in range(32):
-        cand_u = tau_u + (one << (31 - i))
-        cand = (cand_u - half).to(tl.int32)
-        cnt = tl.zeros([], dtype=tl.int32)
-        for c0 in range(0, n, BLOCK):
-            cnt += tl.sum((_load_keys(row_ptr, c0 + cols, n) >= cand).to(tl.int32), 0)
-        tau_u = tl.where(cnt >= K, cand_u, tau_u)
-    tau = (tau_u - half).to(tl.int32)
+    for i in range(KEY_BITS):
+        tau_u = _stream_raise(row_ptr, n, tau_u, one << (31 - i), K, BLOCK)
+    if KEY_BITS < 32:  # the low bits: all zero or all ones (running_topk's module docstring)
+        tau_u = _stream_raise(row_ptr, n, tau_u, (one << (32 - KEY_BITS)) - 1, K, BLOCK)
+    tau = (tau_u - 2147483648).to(tl.int32)
     n_gt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
         n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
@@ -121,6 +130,7 @@ def _topk_row_kernel(
     K: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
@@ -130,7 +140,7 @@ def _topk_row_kernel(
     else:
         cols = tl.arange(0, BLOCK)
         keys = _load_keys(logits_ptr + row * stride_lt, cols, n)
-        _store_selection(keys, cols, cols < n, _kth_key(keys, K), out_row, K)
+        _store_selection(keys, cols, cols < n, _kth_key(keys, K, KEY_BITS), out_row, K)
 
 
 @triton.jit
@@ -143,6 +153,7 @@ def _piece_kth_kernel(
     PIECES,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -151,7 +162,7 @@ def _piece_kth_kernel(
     tau = tl.full([], -2147483648, tl.int32)  # a piece with ≤ K keys bounds nothing
     if tl.minimum(n - start, BLOCK) > K:
         keys = _load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
-        tau = _kth_key(keys, K)
+        tau = _kth_key(keys, K, KEY_BITS)
     tl.store(thr_ptr + row * PIECES + piece, tau)
 
 
@@ -172,6 +183,7 @@ def _topk_candidates_kernel(
     P_BLOCK: tl.constexpr,
     STREAM_BLOCK: tl.constexpr,
     CAP: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
@@ -200,9 +212,9 @@ def _topk_candidates_kernel(
             j = tl.arange(0, CAP)
             keys = tl.load(ck_row + j, mask=j < cnt, other=-2147483648)
             idx = tl.load(ci_row + j, mask=j < cnt, other=0)
-            _store_selection(keys, idx, j < cnt, _kth_key(keys, K), out_row, K)
+            _store_selection(keys, idx, j < cnt, _kth_key(keys, K, KEY_BITS), out_row, K)
         else:
-            _stream_select(row_ptr, out_row, n, K, STREAM_BLOCK)
+            _stream_select(row_ptr, out_row, n, K, STREAM_BLOCK, KEY_BITS)
 
 
 def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
@@ -236,11 +248,17 @@ def launch_topk(
     piece: int | None = None,
     stream: int = STREAM,
     cap: int | None = None,
+    key_bits: int = 32,
 ) -> Tensor:
     """topk_indices with the two-level sizes overridable: `piece`, `stream` and `cap` (tests
     use them to reach that path, and its overflow fallback, at small widths; benchmarks sweep
-    `piece`)."""
+    `piece`). `key_bits=16` is for logits that are all bf16 values (qat's index scores, block
+    maxima of them, ±inf): the search walks their keys' 16 high bits and one step for the low
+    ones, the same selection in 17 counting steps instead of 32. Other logits need 32 (16 would
+    misplace τ: the caller vouches for the values, they are not checked)."""
     check_topk(logits, n_visible, k)
+    if key_bits not in (16, 32):
+        raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
     t, w = logits.shape
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)  # every slot is written
     if t == 0:
@@ -261,6 +279,7 @@ def launch_topk(
             K=k,
             OUT_BLOCK=out_block,
             BLOCK=block,
+            KEY_BITS=key_bits,
             num_warps=_warps(block),
         )
         return out
@@ -278,6 +297,7 @@ def launch_topk(
         pieces,
         K=k,
         BLOCK=piece,
+        KEY_BITS=key_bits,
         num_warps=_warps(piece),
     )
     ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
@@ -298,6 +318,7 @@ def launch_topk(
         P_BLOCK=max(16, triton.next_power_of_2(pieces)),
         STREAM_BLOCK=stream,
         CAP=cap,
+        KEY_BITS=key_bits,
         num_warps=max(4, min(16, cap // 1024)),
     )
     return out
