@@ -187,3 +187,17 @@ def test_bad_arguments() -> None:
         lay.unshard(torch.tensor(1.0))
     with pytest.raises(TypeError, match="Tensor"):
         lay.shard([1, 2, 3, 4, 5], 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cp", (2, 4, 8))
+def test_rank_major_dense_is_the_shards(cp: int) -> None:
+    """A dense layout (T = cp·P) takes one transposing copy: the same rows as the shards, for a
+    non-contiguous input too, and a wrong row count is refused as the shards refuse it."""
+    lay = CPLayout.build(8 * cp, cp)
+    assert lay.is_dense
+    x = torch.randn(5, 8 * cp).t()  # [T, 5], not contiguous
+    got = lay.rank_major(x)
+    assert got.is_contiguous() and torch.equal(got, _gather_all(lay, x))
+    assert torch.equal(lay.unshard(got), x)
+    with pytest.raises(ValueError, match="rank_major"):
+        lay.rank_major(torch.zeros(8 * cp + 1, 5))

@@ -127,7 +127,13 @@ class CPLayout:
         return out
 
     def rank_major(self, x: Tensor, pad_value: float | int | bool = 0) -> Tensor:
-        """What an all-gather of every rank's `shard(x, r)` returns: [cp·P, ...]."""
+        """What an all-gather of every rank's `shard(x, r)` returns: [cp·P, ...]. Dense (no
+        padding rows): one transposing copy, `unshard`'s inverse; else a shard per rank."""
+        if self.is_dense and self.cp_size > 1:
+            self._check_rows("rank_major", x, self.num_tokens, "T (num_tokens)")
+            tail = x.shape[1:]
+            g = x.reshape(self.padded_rows, self.cp_size, *tail).transpose(0, 1)
+            return g.reshape(self.gathered_rows, *tail)
         return torch.cat([self.shard(x, r, pad_value) for r in range(self.cp_size)])
 
     def unshard(self, gathered: Tensor) -> Tensor:
