@@ -97,6 +97,11 @@ def test_which_checkpoints_dsv4cp_serves(model_type: str, fields: dict, served: 
             {"model_impl": "dsv4cp", "model_config_parser": "hf"},
             "--model-config-parser hf",
         ),
+        (  # the parser picks dsv4cp, the explicit impl another: neither wins silently
+            "deepseek_v41",
+            {"model_impl": "sglang", "model_config_parser": "dsv4cp"},
+            "drop --model-impl sglang",
+        ),
     ],
 )
 def test_impossible_selections_are_refused(model_type: str, fields: dict, match: str) -> None:
@@ -164,6 +169,7 @@ def test_cp_flags_map_to_dsv4cp_cp(fields: dict, size: int) -> None:
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"device": "cuda", "max_total_tokens": None}, "--max-total-tokens on CUDA"),
         ({"device": "npu"}, "--device npu"),
+        ({"json_model_override_args": '{"dsv4cp_graphs": [64]}'}, "dsv4cp_graphs .* --device cuda"),
     ],
 )
 def test_unsupported_flags_are_refused_in_one_line(fields: dict, match: str) -> None:
@@ -188,7 +194,7 @@ def test_flags_that_apply_are_accepted() -> None:
 def test_model_override_keys_pick_numerics_and_graphs() -> None:
     """`--json-model-override-args` carries dsv4cp's own options, nothing else."""
     ok = '{"dsv4cp_quant": "none", "dsv4cp_graphs": [64, 256], "dsv4cp_graph_max_requests": 4}'
-    check_server_args(_args(json_model_override_args=ok))
+    check_server_args(_args(json_model_override_args=ok, device="cuda", max_total_tokens=4096))
     assert ModelOverrides.parse(ok) == ModelOverrides("none", (64, 256), 4)
     assert ModelOverrides.parse("{}") == ModelOverrides()
     hf = SimpleNamespace(dsv4cp_quant="qat")  # what SGLang sets on the model's HF config

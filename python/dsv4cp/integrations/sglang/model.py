@@ -14,7 +14,7 @@ iterator is closed unread. A dsv4cp export (`dsv4cp_v41`) loads from SGLang's it
 
 Numerics: `qat` (the reference's fp8/fp4 steps, quantized caches) for a checkpoint with a
 `quantization_config`, else `none`; `--json-model-override-args '{"dsv4cp_quant": "none"}'`
-picks the other mode (server_args.model_overrides).
+picks the other mode (`server_args.ModelOverrides`).
 
 Forward: `ServingEngine` (engine.py, no sglang): caches on SGLang's token slots (SWA rows on
 SGLang's SWA slots when its hybrid-SWA pools are on, `swa_pool_of`), executors, optional graphs.

@@ -97,6 +97,11 @@ def served_by_dsv4cp(model_type: str | None, args: Any) -> bool:
             f"dsv4cp: --model-impl {MODEL_IMPL} parses config.json itself; drop "
             f"--model-config-parser {parser}"
         )
+    if parser == CONFIG_PARSER and impl not in ("auto", MODEL_IMPL):
+        raise Dsv4cpServerArgsError(
+            f"dsv4cp: --model-config-parser {CONFIG_PARSER} selects dsv4cp's implementation; "
+            f"drop --model-impl {impl} or the parser"
+        )
     if model_type == MODEL_TYPE:
         if impl not in ("auto", MODEL_IMPL):
             raise Dsv4cpServerArgsError(
@@ -191,12 +196,12 @@ class ModelOverrides:
         )
 
 
-def _bad_overrides(value: object) -> str | None:
+def _parse_overrides(value: object) -> tuple[ModelOverrides | None, str | None]:
+    """(the overrides, None), or (None, the one-line refusal)."""
     try:
-        ModelOverrides.parse(value)
+        return ModelOverrides.parse(value), None
     except Dsv4cpServerArgsError as e:
-        return str(e)
-    return None
+        return None, str(e)
 
 
 def _refusals(args: Any) -> list[tuple[bool, str]]:
@@ -217,7 +222,7 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         (f"{f} {v}" for f, v in attention.items() if v not in (None, ATTENTION_BACKEND)), None
     )
     device = _get(args, "device")
-    bad_overrides = _bad_overrides(_get(args, "json_model_override_args"))
+    overrides, bad_overrides = _parse_overrides(_get(args, "json_model_override_args"))
     return [
         (
             device is not None and str(device).split(":")[0] not in ("cpu", "cuda"),
@@ -323,6 +328,10 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         (
             bad_overrides is not None,
             str(bad_overrides),
+        ),
+        (
+            overrides is not None and bool(overrides.graphs) and not _cuda(args),
+            "dsv4cp: dsv4cp_graphs (CUDA graphs) needs --device cuda",
         ),
         (
             _get(args, "max_total_tokens") is None and _cuda(args),
