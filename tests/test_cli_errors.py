@@ -143,6 +143,23 @@ def test_failed_cp_run_is_reported_without_a_traceback() -> None:
     assert "dsv4cp check: CP launch failed (backend gloo, cp_size 2, timeout 0.001s)" in proc.stderr
 
 
+def test_debug_cp_prints_the_ranks_tracebacks() -> None:
+    # The same failure with --debug-cp: the summary, then each rank's traceback (as with
+    # DSV4CP_DEBUG_CP=1); the flag reaches the spawned ranks through the environment.
+    env = {k: v for k, v in os.environ.items() if k != "DSV4CP_DEBUG_CP"}
+    argv = ["check", "--cp", "2", "--lens", "5", "--timeout", "0.001", "--debug-cp"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4cp", *argv],
+        env={**env, "PYTHONPATH": str(ROOT / "python")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "dsv4cp check: CP launch failed (backend gloo, cp_size 2" in proc.stderr
+    assert "--- traceback of rank" in proc.stderr
+
+
 def test_entry_point_exits_with_mains_status(monkeypatch: pytest.MonkeyPatch) -> None:
     """`dsv4cp` (cli.run) exits with main's status; without CUDA work through sys.exit."""
     from dsv4cp.cli import run

@@ -66,6 +66,12 @@ def _reported(e: Exception, command: str) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; its exit status. Input errors print one line and return 2."""
     args = build_parser().parse_args(argv)
+    from dsv4cp.cp.guard import ENV_VAR as DEBUG_CP_ENV
+
+    debug_cp = getattr(args, "debug_cp", False)
+    saved = os.environ.get(DEBUG_CP_ENV)
+    if debug_cp:  # what DSV4CP_DEBUG_CP=1 does; the spawned ranks inherit it
+        os.environ[DEBUG_CP_ENV] = "1"
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
@@ -76,6 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if status is None:
             raise
         return status
+    finally:
+        if debug_cp:  # an in-process caller (tests) keeps its own environment
+            if saved is None:
+                os.environ.pop(DEBUG_CP_ENV, None)
+            else:
+                os.environ[DEBUG_CP_ENV] = saved
 
 
 def run(argv: Sequence[str] | None = None) -> NoReturn:

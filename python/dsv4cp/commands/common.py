@@ -109,7 +109,8 @@ def add_cp_args(p: argparse.ArgumentParser, default_cp: int = 2) -> None:
     p.add_argument(
         "--debug-cp",
         action="store_true",
-        help="check that every rank issues the same collectives in the same order",
+        help="the collective-order check on every rank and the ranks' full tracebacks when a "
+        "CP run fails (what DSV4CP_DEBUG_CP=1 does)",
     )
     add_size_arg(p)
 
@@ -183,16 +184,22 @@ def output_dir(path: str) -> Path:
 
 def check_fake_side_streams(args: argparse.Namespace, backend: str) -> None:
     """Fake CP on CUDA: every rank (a thread) holds its own side streams, one per multistream
-    lane and one to capture graphs; refuse up front when they cannot all be had."""
-    if args.device != "cuda" or backend != "fake" or not args.multistream:
+    lane and one to capture graphs; refuse up front (before the CP = 1 reference runs) when they
+    cannot all be had."""
+    if args.device != "cuda" or backend != "fake" or not (args.multistream or args.graphs):
         return
     from dsv4cp.config import DeepseekV41Config
     from dsv4cp.model import DeepseekV41Model
     from dsv4cp.side_streams import check_side_streams
 
-    lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
+    lanes = 0
+    if args.multistream:
+        lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
     per_rank = lanes + (1 if args.graphs else 0)
-    check_side_streams(args.cp * per_rank, f"--cp {args.cp} (fake) with --multistream")
+    flags = " ".join(
+        f for f, on in (("--multistream", args.multistream), ("--graphs", args.graphs)) if on
+    )
+    check_side_streams(args.cp * per_rank, f"--cp {args.cp} (fake) with {flags}")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
