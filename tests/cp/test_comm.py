@@ -230,6 +230,40 @@ def test_new_cp_group_without_world() -> None:
         TorchDistCPGroup()
 
 
+def test_new_cp_groups_subgroups_get_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subgroup's collectives wait `timeout_s`, not torch's default: gloo also waits with
+    `work.wait(timeout)`, NCCL only has the group's own timeout."""
+    from datetime import timedelta
+
+    import dsv4cp.cp.dist as cp_dist
+
+    made: list[tuple[str, dict]] = []
+
+    def new_group(ranks: list[int], **kw: object) -> str:
+        made.append(("new_group", kw))
+        return "pg"
+
+    def new_subgroups(size: int, **kw: object) -> tuple[str, list[str]]:
+        made.append(("new_subgroups", kw))
+        return "pg", ["pg"]
+
+    for name, value in [
+        ("is_initialized", lambda: True),
+        ("get_world_size", lambda group=None: 4),
+        ("get_rank", lambda group=None: 0),
+        ("get_backend", lambda group=None: "gloo"),
+        ("new_group", new_group),
+        ("new_subgroups", new_subgroups),
+    ]:
+        monkeypatch.setattr(cp_dist.dist, name, value)
+    monkeypatch.setattr(cp_dist, "TorchDistCPGroup", lambda group, **kw: (group, kw))
+    assert new_cp_group(2, timeout_s=7.0) == ("pg", {"timeout_s": 7.0, "check_order": False})
+    new_cp_group(2, ranks=[0, 1], timeout_s=7.0)
+    new_cp_group(4, backend="nccl", timeout_s=7.0)
+    assert [m[0] for m in made] == ["new_subgroups", "new_group", "new_subgroups"]
+    assert all(kw["timeout"] == timedelta(seconds=7.0) for _, kw in made)
+
+
 # ---- gloo (spawned processes) ----------------------------------------------------------------
 def _gloo_worker(group: TorchDistCPGroup) -> dict:
     cp = group.cp_size

@@ -224,7 +224,7 @@ def new_cp_group(
             raise ValueError(f"ranks {ranks} must be {cp_size} distinct ranks")
         if any(not 0 <= r < world for r in ranks):
             raise ValueError(f"ranks {ranks} out of range for a world of {world}")
-        group = dist.new_group(ranks, backend=pg_backend)
+        group = dist.new_group(ranks, backend=pg_backend, timeout=timedelta(seconds=timeout_s))
         if dist.get_rank() not in ranks:
             raise ValueError(f"this process (rank {dist.get_rank()}) is not in ranks {ranks}")
     elif cp_size == world and pg_backend in (None, dist.get_backend()):
@@ -232,7 +232,9 @@ def new_cp_group(
     else:
         if world % cp_size:
             raise ValueError(f"world size {world} is not a multiple of cp_size {cp_size}")
-        group, _ = dist.new_subgroups(cp_size, backend=pg_backend)
+        group, _ = dist.new_subgroups(
+            cp_size, backend=pg_backend, timeout=timedelta(seconds=timeout_s)
+        )
     # Members get a ProcessGroup (the non-members raised above).
     return TorchDistCPGroup(
         cast("dist.ProcessGroup | None", group), timeout_s=timeout_s, check_order=check_order
