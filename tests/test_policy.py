@@ -44,6 +44,13 @@ def test_env_overrides_auto_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert p.max_tokens_graph == 1024 and not p.decide(2048, graphs=True, cuda=True)
 
 
+@pytest.mark.parametrize("value", ["abc", "-5", "1.5"])
+def test_bad_env_threshold_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DSV4CP_MULTISTREAM_MAX_TOKENS", value)
+    with pytest.raises(ValueError, match=f"DSV4CP_MULTISTREAM_MAX_TOKENS must be .* got '{value}'"):
+        MultistreamPolicy.from_env()
+
+
 def test_decision_logged_once_per_shape(caplog: pytest.LogCaptureFixture) -> None:
     p = MultistreamPolicy()
     with caplog.at_level(logging.INFO, logger="dsv4cp.policy"):

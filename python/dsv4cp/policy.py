@@ -5,7 +5,8 @@ local tokens and won (2–7%) at 8192, where the GPU work hides the launches. In
 the forks and joins are free graph edges and the overlap paid at every size measured (512–8192)
 for layers with a compressor or an indexer; layers that only store SWA keys gain nothing. The
 default thresholds come from `benchmarks/prepare_overlap.py` (docs/performance.md). With mode
-"auto", `DSV4CP_MULTISTREAM=on|off|auto` and `DSV4CP_MULTISTREAM_MAX_TOKENS=N` override them.
+"auto", `DSV4CP_MULTISTREAM=on|off|auto` overrides the mode and `DSV4CP_MULTISTREAM_MAX_TOKENS=N`
+the graph threshold (`max_tokens_graph`); the eager threshold has no variable.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class MultistreamPolicy:
         if self.mode not in ("auto", "on", "off"):
             raise ValueError(f"multistream mode must be auto, on or off, got {self.mode!r}")
         if self.max_tokens_graph < 0:
-            raise ValueError("max_tokens_graph must be >= 0")
+            raise ValueError(f"max_tokens_graph must be >= 0, got {self.max_tokens_graph}")
+        if self.min_tokens_eager < 0:
+            raise ValueError(f"min_tokens_eager must be >= 0, got {self.min_tokens_eager}")
 
     @classmethod
     def of(cls, multistream: bool | str) -> MultistreamPolicy:
@@ -48,15 +51,18 @@ class MultistreamPolicy:
     def from_env(cls, mode: str | None = None, max_tokens: int | None = None) -> MultistreamPolicy:
         env_mode = os.environ.get("DSV4CP_MULTISTREAM")
         env_max = os.environ.get("DSV4CP_MULTISTREAM_MAX_TOKENS")
+        if max_tokens is None and env_max:
+            try:
+                max_tokens = int(env_max)
+            except ValueError:
+                max_tokens = -1
+            if max_tokens < 0:
+                raise ValueError(
+                    f"DSV4CP_MULTISTREAM_MAX_TOKENS must be an integer >= 0, got {env_max!r}"
+                )
         return cls(
             mode=env_mode if (mode in (None, "auto") and env_mode) else (mode or "auto"),
-            max_tokens_graph=(
-                max_tokens
-                if max_tokens is not None
-                else int(env_max)
-                if env_max
-                else DEFAULT_MAX_TOKENS_GRAPH
-            ),
+            max_tokens_graph=DEFAULT_MAX_TOKENS_GRAPH if max_tokens is None else max_tokens,
         )
 
     def layer_pays(self, role: LayerRole) -> bool:
