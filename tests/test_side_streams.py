@@ -149,3 +149,31 @@ def test_capacity_and_the_up_front_check() -> None:
     reg, _ = _external()
     assert reg.capacity(0) is None
     reg.reserve_check(0, 10_000, "anything")
+
+
+@pytest.mark.parametrize(("multistream", "graphs"), [(True, False), (False, True), (True, True)])
+def test_fake_cp_streams_are_counted_up_front(
+    monkeypatch: pytest.MonkeyPatch, multistream: bool, graphs: bool
+) -> None:
+    """`check` / `demo` with fake CP on CUDA count each rank's lanes (--multistream) and its
+    capture stream (--graphs), so a run that cannot have them is refused before any work."""
+    import argparse
+
+    import dsv4cp.side_streams as side_streams
+    from dsv4cp.commands.common import check_fake_side_streams
+    from dsv4cp.config import DeepseekV41Config
+    from dsv4cp.model import DeepseekV41Model
+
+    asked: list[tuple[int, str]] = []
+    monkeypatch.setattr(side_streams, "check_side_streams", lambda n, what: asked.append((n, what)))
+    args = argparse.Namespace(device="cuda", cp=40, multistream=multistream, graphs=graphs)
+    check_fake_side_streams(args, "fake")
+    lanes = len(DeepseekV41Model(DeepseekV41Config.tiny(), seed=None).prepare_lanes())
+    per_rank = (lanes if multistream else 0) + (1 if graphs else 0)
+    assert [n for n, _ in asked] == [40 * per_rank]
+    assert ("--graphs" in asked[0][1]) is graphs
+    check_fake_side_streams(
+        argparse.Namespace(device="cuda", cp=40, multistream=False, graphs=False), "fake"
+    )
+    check_fake_side_streams(args, "gloo")
+    assert len(asked) == 1

@@ -3,11 +3,11 @@
 - The MoE layer alone: rows split over N fake ranks (with CP padding rows) through the EP
   exchange equal one rank holding every expert, bit for bit, in `none` (fp32) and `qat` (bf16):
   each expert's GEMMs see the same rows in the same order, and the combine is EP = 1's.
-- The whole tiny model with CP = N and EP over the same ranks against CP = 1, EP = 1: in `qat`
-  bit for bit (the tiny 12-expert config in released storage for N = 2, 3, 4; the released-format
-  fixture, 8 experts, for N = 2, 4, where only the fp32 ratio-2 pair state differs, exactly as
-  CP alone makes it differ), in `none` within CP's fp32 tolerance (CP itself moves the dense
-  GEMMs' row counts). Fake ranks and gloo processes; the order guard is on throughout.
+- The whole tiny model with CP = N and EP over the same ranks: in `qat` bit for bit against
+  CP = 1, EP = 1 (the tiny 12-expert config in released storage, N = 2, 3, 4) and against CP = N
+  without EP (the released-format fixture, 8 experts, N = 2, 4: what EP alone changes; below),
+  in `none` within CP's fp32 tolerance of CP = 1 (CP itself moves the dense GEMMs' row
+  counts). Fake ranks and gloo processes; the order guard is on throughout.
 - The loader reads only a rank's experts; random weights give every rank EP = 1's values.
 """
 

@@ -3,7 +3,7 @@ checks every backend shares, `SingleCPGroup`, and `gather_global`, the one gathe
 
 `all_gather(x [P, ...], tag=...)` returns [cp·P, ...] rank-major and is issued on the CURRENT
 stream (never on a side stream: docs/invariants.md, invariant 1). Every rank must pass the same
-shape; the caller pads with `CPLayout.shard`. `tag` names the tensor ("layer3/kv_raw") for the
+shape; the caller pads with `CPLayout.shard`. `tag` names the tensor ("layer3/swa_rows") for the
 order guard and for error messages.
 
 `all_to_all(x, splits, tag=...)` sends rows of x to every rank: `splits[i][j]` is the number of
