@@ -191,6 +191,17 @@ def test_flags_that_apply_are_accepted() -> None:
     assert check_server_args(ok) == CPSettings(4, "interleave")
 
 
+def test_graphs_are_bounded_by_the_served_context() -> None:
+    """The graphs' max_context is the server's context (SGLang sets `context_len` on the HF
+    config from --context-length), not the checkpoint's max_position_embeddings (1M at Flash)."""
+    from dsv4cp.integrations.sglang.model import served_context
+
+    hf = SimpleNamespace(context_len=65536, max_position_embeddings=1048576)
+    assert served_context(hf) == 65536
+    assert served_context(SimpleNamespace(max_position_embeddings=4096)) == 4096
+    assert served_context(SimpleNamespace()) is None
+
+
 def test_model_override_keys_pick_numerics_and_graphs() -> None:
     """`--json-model-override-args` carries dsv4cp's own options, nothing else."""
     ok = '{"dsv4cp_quant": "none", "dsv4cp_graphs": [64, 256], "dsv4cp_graph_max_requests": 4}'

@@ -106,6 +106,14 @@ def swa_rows_planned(max_total_tokens: int, page_size: int, ratio: float) -> int
     return int(full * ratio) // page_size * page_size + 2 * page_size
 
 
+def served_context(hf_config: object) -> int | None:
+    """The longest request the server admits: SGLang's `context_len` (its `--context-length`,
+    else the one it derives), which it sets on the model's HF config; max_position_embeddings
+    when that is absent (the class built outside a server)."""
+    context = getattr(hf_config, "context_len", None)
+    return context or getattr(hf_config, "max_position_embeddings", None)
+
+
 def dsv4cp_config_of(hf_config: object) -> DeepseekV41Config:
     """dsv4cp's config from the HF config SGLang built (hf_config.Dsv4cpConfig)."""
     raw = getattr(hf_config, "dsv4cp_config", None)
@@ -196,7 +204,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "dsv4cp: pass --max-total-tokens on CUDA: dsv4cp's KV cache is sized from it "
                 "before SGLang gives the rest of the memory to its own (unused) pool"
             )
-        context = getattr(self.config, "max_position_embeddings", None)
+        context = served_context(self.config)
         swa_ratio = None
         disabled = any(_flag(bag, "disable_hybrid_swa_memory") for bag in (schedule, get_memory()))
         if getattr(self.config, "is_hybrid_swa", False) and not disabled:
