@@ -12,7 +12,9 @@ bits, the cast only stores exact values). The k-step multiplies the fp8 values a
 with fp32 accumulation. Measured on the H200 (2026-12-03): with an fp8 MMA step, this kernel alone
 made the tiny fixture's blocks stop matching DeepSeek's reference (1.6 % of a block's tokens
 within 2 bf16 ulps, against 98 % with the twin on the same GPU); the suspected cause is Hopper's
-reduced fp8 accumulation precision. The bf16 step is not yet measured on a GPU.
+reduced fp8 accumulation precision. With the bf16 step the H200's `reference-check` passes
+(docs/performance.md §6; the fixture's prompts stay below `CUBLAS_MIN_ROWS`, so its GEMMs run
+here).
 The scaling (powers of two) and the ordered fp32 accumulation are the same. The tile is written
 in fp32 and cast to the output dtype by torch (round to nearest even, also under the CPU
 interpreter).

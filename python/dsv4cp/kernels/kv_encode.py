@@ -50,7 +50,9 @@ def quant_blocks(
         v = tl.minimum(tl.maximum(div(yb, s[:, :, None], PRECISE), -448.0), 448.0)
         q = e4m3_rne(v)
     elif QUANT == 2:
-        s = pow2_ceil(tl.maximum(amax, 7.052316384526264e-38) * (1.0 / 6.0))  # floor 6·2^-126
+        # floor just below 6·2^-126 (7.0530e-38): pow2_ceil maps every amax/6 ≤ 2^-126 to
+        # 2^-126 either way, so the codes equal the twin's (`ops.quant`, floor 6·2^-126)
+        s = pow2_ceil(tl.maximum(amax, 7.052316384526264e-38) * (1.0 / 6.0))
         v = tl.minimum(tl.maximum(div(yb, s[:, :, None], PRECISE), -6.0), 6.0)
         q = e2m1_rne(v)
     else:
