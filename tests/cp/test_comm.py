@@ -18,6 +18,7 @@ from dsv4cp.cp import (
     SingleCPGroup,
     TorchDistCPGroup,
     gather_global,
+    gather_indexed,
     new_cp_group,
     run_cp,
     run_ranks,
@@ -58,6 +59,11 @@ def _round_trip(group: CPGroup, t: int, align: int) -> torch.Tensor:
     full = lay.unshard(group.all_gather(lay.shard(x, group.rank), tag="layer0/x"))
     part = gather_global(group, lay, x[group.rank :: group.cp_size], tag="layer0/logical")
     assert torch.equal(part, full)
+    rows, idx = gather_indexed(group, lay, x[group.rank :: group.cp_size], tag="layer0/indexed")
+    if group.cp_size == 1:
+        assert idx is None and torch.equal(rows, full)
+    else:  # the all-gather as it comes (padding rows too), token t at row idx[t]
+        assert rows.shape[0] == lay.gathered_rows and torch.equal(rows[idx], full)
     return full
 
 

@@ -21,6 +21,7 @@ CASES = [
     "swa_key_rows_encoded",
     "compress_entries_ratio2",
     "compress_entries_ratio1",
+    "compress_entries_rank_major",
     "store_index_keys_encoded",
     "encoded_adversarial_rows",
 ]
@@ -146,6 +147,55 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             same(got, ops.compress_entries(kv, *args, c2, fmt, dr, 160000.0, yarn))
             same(c1, c2)
             assert torch.equal(c1[[6, 7, 9]], c2[[6, 7, 9]])  # rows nobody emits to: untouched
+
+    def compress_entries_rank_major():
+        # comp_kv as a CP all-gather leaves it (rank-major, padding rows), read in token order
+        # through CPLayout.rerange_index: the rows, latents and pair state of the token-order run
+        from dsv4cp.cp.layout import CPLayout
+
+        torch.manual_seed(25)
+        lay = CPLayout.build(10, 3)  # P = 4: 12 gathered rows, 2 of them padding
+        src = lay.rerange_index
+        d, dr, s = 64, 16, 10
+        w = torch.randn(d).bfloat16()
+        read = torch.full((10,), -1)
+        read[0], read[7] = 3, 8
+        write = torch.tensor([-1, 1, -1, 2, -1, -1, 4, -1, 5, -1])
+        pos = torch.arange(10) * 2 + 100
+        emit = torch.tensor([-1, 0, -1, 4, -1, 2, -1, 5, -1, 7])
+        comp_tok = torch.cat([torch.randn(10, d) * 2, gates((10, d))], 1)
+        gathered = torch.full((12, 2 * d), 1e4)  # padding rows must never be read
+        gathered[src] = comp_tok
+        fmt = "fp4_e4m3_16"
+        state = (torch.randn(s, d) * 2, gates((s, d)))
+        runs = []
+        for impl, comp, rows in (
+            (kc, gathered, src),
+            (ops, gathered, src),
+            (ops, comp_tok, None),
+        ):
+            c, _ = caches(9, d, fmt, u8)
+            st = (state[0].clone(), state[1].clone())
+            args = (read, write, w, 1e-6, torch.bfloat16, pos, emit, c, fmt, dr, 1e4, yarn)
+            runs.append((impl.compress_entries(comp, st, *args, src_rows=rows), c, st))
+        want_lat, want_c, want_st = runs[2]
+        for lat, c, st in runs[:2]:
+            same(lat, want_lat)
+            same(c, want_c)
+            same(st[0], want_st[0])
+            same(st[1], want_st[1])
+        # ratio 1 (bf16 entries, no pair state)
+        kv_tok = torch.randn(10, d).bfloat16()
+        g1 = torch.zeros(12, d).bfloat16()
+        g1[src] = kv_tok
+        emit1 = torch.tensor([3, -1, 0, 5, 8, -1, 1, 2, 4, 6])
+        outs = []
+        for impl, comp, rows in ((kc, g1, src), (ops, kv_tok, None)):
+            c, _ = caches(10, d, fmt, u8)
+            args = (None, None, None, w, 1e-20, torch.bfloat16, pos, emit1, c, fmt, dr, 1e4, yarn)
+            outs.append((impl.compress_entries(comp, *args, src_rows=rows), c))
+        same(outs[0][0], outs[1][0])
+        same(outs[0][1], outs[1][1])
 
     def store_index_keys_encoded():
         torch.manual_seed(24)

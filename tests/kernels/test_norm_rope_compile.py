@@ -17,11 +17,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TYPES = ["*bf16"] * 4 + ["*fp32", "*i64", "*fp32", "*i64", "*i64", "*bf16", "*bf16"]
+TYPES = ["*bf16"] * 4 + ["*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*bf16", "*bf16"]
 TYPES += ["i32", "i32", "i32", "fp32"] + ["i32"] * 6
 BASE = dict(
-    POOL=False, POOL_ROWS=False, ROUND_IN=False, NORM=False, HAS_W=False, ROUND_MID=False,
-    ROPE=True, INVERSE=False, HAS_SLOTS=False, WRITE_MID=False, QUANT=0, QBLOCK=16,
+    POOL=False, POOL_ROWS=False, SRC_ROWS=False, ROUND_IN=False, NORM=False, HAS_W=False,
+    ROUND_MID=False, ROPE=True, INVERSE=False, HAS_SLOTS=False, WRITE_MID=False, QUANT=0, QBLOCK=16,
     ENCODE=False, BLOCK_T=8, BLOCK_D=64, BLOCK_R=32, PRECISE=True, EMULATE=False,
 )  # fmt: skip
 
@@ -84,7 +84,27 @@ def test_encoded_codes_move_as_vectors(
         BLOCK_T=block_t, QUANT=q, QBLOCK=qblock, ENCODE=True,
     )  # fmt: skip
     types = list(TYPES)
-    types[9] = "*u8"  # out: the cache's rows
+    types[10] = "*u8"  # out: the cache's rows
     ptx = _ptx(const, warps, types)
     assert re.search(codes, ptx), f"{what}: codes not stored as vectors"
     assert len(re.findall(r"st\.global\.b8", ptx)) <= 2, f"{what}: byte-wise stores"
+
+
+@pytest.mark.parametrize("src_rows", [False, True])
+def test_compressor_reads_pooled_rows_as_vectors(src_rows: bool) -> None:
+    """The ratio-2 compressor's pass (fp32 kv | gate pooled with the state's row or the row
+    above, latent written, fp4 codes stored), also reading the rows through the all-gather's
+    token → row index (`src_rows`): the index only moves which rows load, not how."""
+    from dsv4cp.kernels.fake_quant import FAKE_QUANTS
+
+    q, qblock = FAKE_QUANTS["fp4_e4m3"]
+    const = dict(
+        POOL=True, POOL_ROWS=True, SRC_ROWS=src_rows, ROUND_IN=True, NORM=True, HAS_W=True,
+        ROUND_MID=True, HAS_SLOTS=True, WRITE_MID=True, BLOCK_D=512, BLOCK_T=8, QUANT=q,
+        QBLOCK=qblock, ENCODE=True,
+    )  # fmt: skip
+    types = ["*fp32"] * 4 + list(TYPES[4:])
+    types[10] = "*u8"
+    ptx = _ptx(const, 4, types)
+    assert len(re.findall(r"ld\.global(?:\.nc)?\.v4\.b32", ptx)) >= 4, "rows not loaded as vectors"
+    assert re.search(r"st\.global\.v2\.b32", ptx), "codes not stored as vectors"

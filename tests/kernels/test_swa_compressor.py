@@ -86,6 +86,34 @@ def test_compressor_ratio2(n: int, d: int, dr: int) -> None:
     assert torch.equal(state[0], state2[0]) and torch.equal(state[1], state2[1])
 
 
+def test_compressor_reads_the_gathered_rows_through_their_index() -> None:
+    """The layer at CP > 1: comp_kv as the all-gather leaves it (rank-major, padding rows) read
+    through `CPLayout.rerange_index` equals the token-order run, bit for bit (same math)."""
+    from dsv4cp.cp.layout import CPLayout
+
+    n, d, dr = 1000, 512, 64
+    lay = CPLayout.build(n, 8).to("cuda")
+    comp = torch.cat([torch.randn(n, d, device="cuda"), torch.randn(n, d, device="cuda")], 1)
+    gathered = torch.full((lay.gathered_rows, 2 * d), float("nan"), device="cuda")
+    gathered[lay.rerange_index] = comp  # the padding rows are NaN: never read
+    w = torch.rand(d, device="cuda") + 0.5
+    pos = torch.arange(n, device="cuda") + 77
+    read = torch.full((n,), -1, device="cuda")
+    read[0] = 3
+    write = torch.where(pos % 2 == 0, torch.arange(n, device="cuda"), -1)  # distinct rows
+    emit = torch.where(pos % 2 == 1, torch.arange(n, device="cuda") // 2, -1)
+    out = []
+    for x, src in ((comp, None), (gathered, lay.rerange_index)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        state = tuple(torch.randn(n, d, device="cuda", generator=g) for _ in range(2))
+        cache = torch.zeros(n, d, device="cuda", dtype=torch.bfloat16)
+        args = (read, write, w, 1e-20, torch.bfloat16, pos, emit, cache, "dense", dr, 1e4)
+        out.append((kc.compress_entries(x, state, *args, YARN, src_rows=src), cache, state))
+    (lat, cache, state), (lat2, cache2, state2) = out
+    assert torch.equal(lat, lat2) and torch.equal(cache, cache2)
+    assert torch.equal(state[0], state2[0]) and torch.equal(state[1], state2[1])
+
+
 def test_compressor_ratio1_and_index_key() -> None:
     n, d, dr, di = 1025, 512, 64, 128
     kv = torch.randn(n, d, device="cuda").bfloat16()

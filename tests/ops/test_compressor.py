@@ -192,6 +192,9 @@ def test_compress_entries_pools_with_the_state_or_the_row_above() -> None:
         (dict(emit_rows=torch.zeros(5, dtype=torch.long)), r"must be \[6\]"),
         (dict(entry_positions=torch.zeros(7, dtype=torch.long)), r"must be \[6\]"),
         (dict(cache=torch.zeros(4, 32).bfloat16()), "a dense cache must be torch.float32"),
+        (dict(src_rows=torch.zeros(6, 1, dtype=torch.long)), "src_rows must be a 1-d"),
+        (dict(src_rows=torch.zeros(6)), "src_rows must be a 1-d int32/int64"),
+        (dict(src_rows=torch.arange(5)), r"must be \[5\]"),
     ],
 )
 def test_compress_entries_refuses_rows_that_disagree(impl: str, change: dict, message: str) -> None:

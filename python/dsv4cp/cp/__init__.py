@@ -11,6 +11,7 @@ from dsv4cp.cp.group import (
     CPTimeoutError,
     SingleCPGroup,
     gather_global,
+    gather_indexed,
 )
 from dsv4cp.cp.guard import CPOrderError, debug_cp_enabled
 from dsv4cp.cp.launch import CPLaunchError, run_cp, spawn_ranks
@@ -30,6 +31,7 @@ __all__ = [
     "TorchDistCPGroup",
     "debug_cp_enabled",
     "gather_global",
+    "gather_indexed",
     "new_cp_group",
     "run_cp",
     "run_ranks",

@@ -172,20 +172,37 @@ def gather_rows(group: CPGroup, layout: CPLayout, x: Tensor, *, tag: str) -> Ten
     return group.all_gather(x, tag=tag)
 
 
+def _padded(layout: CPLayout, x: Tensor, who: str, tag: str) -> Tensor:
+    """x [≤ P, ...] with zero rows appended up to P."""
+    p = layout.padded_rows
+    if x.dim() == 0 or x.shape[0] > p:
+        raise ValueError(f"{who} {tag!r}: expected at most P={p} rows, got {tuple(x.shape)}")
+    if x.shape[0] < p:
+        x = torch.cat([x, x.new_zeros((p - x.shape[0], *x.shape[1:]))])
+    return x
+
+
 def gather_global(group: CPGroup, layout: CPLayout, x: Tensor, *, tag: str) -> Tensor:
     """Local rows x [P, ...] (or fewer: padded here) → global rows [T, ...] in token order:
     the all-gather plus the rerange. cp_size 1 returns a view of x's first T rows."""
-    p = layout.padded_rows
-    if x.dim() == 0 or x.shape[0] > p:
-        raise ValueError(
-            f"gather_global {tag!r}: expected at most P={p} rows, got {tuple(x.shape)}"
-        )
-    if x.shape[0] < p:
-        pad = x.new_zeros((p - x.shape[0], *x.shape[1:]))
-        x = torch.cat([x, pad])
+    x = _padded(layout, x, "gather_global", tag)
     if group.cp_size == 1:
         return x[: layout.num_tokens]
     return layout.unshard(group.all_gather(x, tag=tag))
+
+
+def gather_indexed(
+    group: CPGroup, layout: CPLayout, x: Tensor, *, tag: str
+) -> tuple[Tensor, Tensor | None]:
+    """`gather_global` for a consumer that reads its rows through an index: (the all-gather's
+    rank-major rows [cp·P, ...] as they come, `layout.rerange_index`: token t's row), so no
+    rerange copy; cp_size 1: (x's first T rows, None), already in token order. The same
+    collective as `gather_global`'s."""
+    x = _padded(layout, x, "gather_indexed", tag)
+    if group.cp_size == 1:
+        return x[: layout.num_tokens], None
+    idx = layout.rerange_index
+    return group.all_gather(x, tag=tag), idx if idx.device == x.device else idx.to(x.device)
 
 
 class SingleCPGroup:

@@ -120,14 +120,18 @@ def _store_mode(fmt: KVFormat, cache: Tensor, dtype: torch.dtype) -> tuple[str |
 
 @triton.jit
 def _pair_state_kernel(
-    kv_ptr, gate_ptr, row_ptr, skv_ptr, sg_ptr, T, D, stride_kv, stride_s, BLOCK_D: tl.constexpr
-):
+    kv_ptr, gate_ptr, row_ptr, src_ptr, skv_ptr, sg_ptr, T, D, stride_kv, stride_s,
+    SRC_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
     row = tl.load(row_ptr + t).to(tl.int64)
     if row >= 0:
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
-        src = t.to(tl.int64) * stride_kv + cols
+        x_row = t.to(tl.int64)
+        if SRC_ROWS:
+            x_row = tl.load(src_ptr + t).to(tl.int64)
+        src = x_row * stride_kv + cols
         tl.store(skv_ptr + row * stride_s + cols, tl.load(kv_ptr + src, mask=ok), mask=ok)
         tl.store(sg_ptr + row * stride_s + cols, tl.load(gate_ptr + src, mask=ok), mask=ok)
 
@@ -147,18 +151,22 @@ def compress_entries(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    src_rows: Tensor | None = None,
 ) -> Tensor:
     """Triton twin of ops.compressor.compress_entries: one pass over the rows, then the pair
-    state's writes (a second launch: a row may read the state row another row writes)."""
+    state's writes (a second launch: a row may read the state row another row writes). With
+    `src_rows` both read comp_kv's rows through it (no gathered copy in token order)."""
     quant, encode = _store_mode(fmt, cache, dtype)
-    t = comp_kv.shape[0]
-    d = check_entries_args(comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows)
+    d = check_entries_args(
+        comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows, src_rows
+    )
+    t = comp_kv.shape[0] if src_rows is None else src_rows.shape[0]
     if pair_state is None:
         kv, pool, rows = comp_kv, None, None
     else:
         state_kv, state_gate = pair_state
         kv, pool, rows = comp_kv[:, :d], (comp_kv[:, d:], state_kv, state_gate), read_rows
-    latent = torch.empty(kv.shape, dtype=dtype, device=kv.device)
+    latent = torch.empty((t, kv.shape[1]), dtype=dtype, device=kv.device)
     norm_rope_rows(
         kv,
         cache,
@@ -171,6 +179,7 @@ def compress_entries(
         slots=emit_rows,
         pool=pool,
         pool_rows=rows,
+        src_rows=src_rows,
         round_in=True,
         round_mid=True,
         mid=latent,
@@ -184,12 +193,14 @@ def compress_entries(
             comp_kv,
             comp_kv[:, d:],
             write_rows.contiguous(),
+            write_rows if src_rows is None else src_rows.contiguous(),
             state_kv,
             state_gate,
             t,
             d,
             comp_kv.stride(0),
             state_kv.stride(0),
+            SRC_ROWS=src_rows is not None,
             BLOCK_D=triton.next_power_of_2(d),
         )
     return latent

@@ -58,6 +58,8 @@ def _load_prep(
     pg_ptr,
     prow,
     rows64,
+    xrows64,
+    above64,
     cols,
     ok,
     stride_x,
@@ -71,15 +73,17 @@ def _load_prep(
     PRECISE: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """Load x at (rows, cols) as fp32, pair-pooled and rounded to DTYPE when asked."""
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    """Load x at (rows, cols) as fp32, pair-pooled and rounded to DTYPE when asked. Row r's
+    values are x's row xrows64 (r itself without a source map), the row above's above64 (−1:
+    none); rows64 indexes the aligned partner rows of a pool without pool_rows."""
+    x = tl.load(x_ptr + xrows64[:, None] * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if POOL:
         # Per-channel softmax over (partner = even token, this row = odd token).
-        g1 = tl.load(g_ptr + rows64[:, None] * stride_g + cols, mask=ok, other=0.0)
+        g1 = tl.load(g_ptr + xrows64[:, None] * stride_g + cols, mask=ok, other=0.0)
         if POOL_ROWS:
             # the partner is the pair state's row prow (>= 0), else the row above in x and g
             st = (prow >= 0)[:, None]
-            above = rows64 - 1
+            above = above64
             a_ok = ok & ~st & (above >= 0)[:, None]
             prow64 = prow.to(tl.int64)[:, None]
             x0 = tl.where(
@@ -115,6 +119,8 @@ def _load_normed(
     w_ptr,
     prow,
     rows64,
+    xrows64,
+    above64,
     cols,
     ok,
     w_ok,
@@ -143,6 +149,8 @@ def _load_normed(
         pg_ptr,
         prow,
         rows64,
+        xrows64,
+        above64,
         cols,
         ok,
         stride_x,
@@ -173,6 +181,7 @@ def _norm_rope_kernel(
     pg_ptr,
     w_ptr,
     prow_ptr,
+    src_ptr,
     freq_ptr,
     pos_ptr,
     slot_ptr,
@@ -190,6 +199,7 @@ def _norm_rope_kernel(
     stride_mid,
     POOL: tl.constexpr,
     POOL_ROWS: tl.constexpr,
+    SRC_ROWS: tl.constexpr,
     ROUND_IN: tl.constexpr,
     NORM: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -221,6 +231,12 @@ def _norm_rope_kernel(
     prow = rows
     if POOL_ROWS:
         prow = tl.load(prow_ptr + rows64, mask=r_ok, other=-1)
+    if SRC_ROWS:  # row r's input is x's row src[r] (e.g. the all-gather's rank-major rows)
+        xrows64 = tl.load(src_ptr + rows64, mask=r_ok, other=0).to(tl.int64)
+        above64 = tl.load(src_ptr + rows64 - 1, mask=r_ok & (rows >= 1), other=-1).to(tl.int64)
+    else:
+        xrows64 = rows64
+        above64 = rows64 - 1
     x_ok = ok
     if ROPE and QUANT == 0 and not NORM and not WRITE_MID:
         x_ok = ok & (cols < ROPE0)[None, :]  # the rope columns are read below, as pairs
@@ -231,6 +247,8 @@ def _norm_rope_kernel(
         pg_ptr,
         prow,
         rows64,
+        xrows64,
+        above64,
         cols[None, :],
         x_ok,
         stride_x,
@@ -310,6 +328,8 @@ def _norm_rope_kernel(
             w_ptr,
             prow,
             rows64,
+            xrows64,
+            above64,
             rc[None, :],
             r_ok[:, None] & rc_ok[None, :],
             rc_ok[None, :],
@@ -372,6 +392,7 @@ def norm_rope_rows(
     slots: Tensor | None = None,
     pool: tuple[Tensor, Tensor, Tensor] | None = None,
     pool_rows: Tensor | None = None,
+    src_rows: Tensor | None = None,
     round_in: bool = False,
     round_mid: bool = False,
     mid: Tensor | None = None,
@@ -388,11 +409,17 @@ def norm_rope_rows(
     encode: store the quantizer's codes and scales instead (out: uint8 rows of the cache format
     ENCODED_FORMATS[fake_quant]; round_in and the roundings then use round_dtype, required).
     pool_rows: with `pool = (gate, state_kv, state_gate)`, row t's partner is the state's row
-    pool_rows[t] when that is >= 0, else row t − 1 of x and gate. slots: a negative slot stores
-    nothing (mid is written for every row)."""
+    pool_rows[t] when that is >= 0, else row t − 1 of x and gate. src_rows [T]: row t's input
+    is row src_rows[t] of x (and gate; the row above t's is src_rows[t − 1]): x may be the CP
+    all-gather's rank-major rows, read in token order through `CPLayout.rerange_index` without
+    a rerange copy. slots: a negative slot stores nothing (mid is written for every row)."""
     if x.dim() != 2:
         raise ValueError(f"norm/rope kernel: rows must be [T, D], got {tuple(x.shape)}")
     t, d = x.shape
+    if src_rows is not None:
+        if src_rows.dim() != 1 or (pool is not None and pool_rows is None):
+            raise ValueError("norm/rope kernel: src_rows must be [T], with pool_rows if pooled")
+        t = src_rows.shape[0]  # the rows of the launch; x holds at least the rows they name
     if d > MAX_D:
         raise ValueError(f"norm/rope kernel: D must be at most {MAX_D}, got {d}")
     if rope_dim % 2 or d % 2 or rope_dim > d or (positions is None and rope_dim):
@@ -445,6 +472,7 @@ def norm_rope_rows(
         pg,
         x if norm_weight is None else norm_weight.contiguous(),
         x if pool_rows is None else pool_rows.contiguous(),
+        x if src_rows is None else src_rows.contiguous(),
         freq,
         x if positions is None else positions.contiguous(),
         x if slots is None else slots.contiguous(),
@@ -462,6 +490,7 @@ def norm_rope_rows(
         out.stride(0) if mid is None else mid.stride(0),
         POOL=pool is not None,
         POOL_ROWS=pool_rows is not None,
+        SRC_ROWS=src_rows is not None,
         ROUND_IN=round_in,
         NORM=norm,
         HAS_W=norm_weight is not None,

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
-from dsv4cp.cp.group import gather_global, gather_rows, stays_rank_major
+from dsv4cp.cp.group import gather_indexed, gather_rows, stays_rank_major
 from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.layers.linear import Linear, Storage
 from dsv4cp.observe.timing import stage
@@ -223,7 +223,8 @@ class DeepseekV41Attention(nn.Module):
     def _gather_comp(self, st: PrepareState) -> None:
         ctx = st.ctx
         tag = f"layer{self.layer}/comp_kv"
-        st["comp_kv_g"] = gather_global(ctx.cp, ctx.layout, st["comp_kv"], tag=tag)
+        # rank-major rows and the token → row index: the compressor reads them in token order
+        st["comp_kv_g"] = gather_indexed(ctx.cp, ctx.layout, st["comp_kv"], tag=tag)
 
     def _swa_store(self, st: PrepareState) -> None:
         ctx = st.ctx
@@ -238,8 +239,10 @@ class DeepseekV41Attention(nn.Module):
         st["swa_cache"] = cache
 
     def _compressor(self, st: PrepareState) -> None:
-        """Every rank runs the same compressor over the same global rows (state never travels)."""
+        """Every rank runs the same compressor over the same global rows (state never travels),
+        read in token order from the all-gather's rank-major rows through their index."""
         ctx = st.ctx
+        comp_kv, src_rows = st["comp_kv_g"]
         tok = ctx.meta.tokens
         cache = ctx.cache
         r = self.role.ratio
@@ -249,7 +252,7 @@ class DeepseekV41Attention(nn.Module):
         entry_pos = tok.entry_positions(r)
         emit = cache.entry_rows(r, tok.emit_slots(r))
         latent = compress_entries(
-            st["comp_kv_g"],
+            comp_kv,
             pair,
             read,
             write,
@@ -263,6 +266,7 @@ class DeepseekV41Attention(nn.Module):
             self.rope_dim,
             self.theta,
             self.yarn,
+            src_rows,
         )
         store_index_keys(
             latent,

@@ -105,12 +105,17 @@ def check_entries_args(
     write_rows: Tensor | None,
     entry_positions: Tensor,
     emit_rows: Tensor,
+    src_rows: Tensor | None = None,
 ) -> int:
     """ValueError unless `compress_entries`' rows agree (its kernel and twin both call this);
     returns D, the entry width."""
-    t = comp_kv.shape[0]
     if comp_kv.dim() != 2:
         raise ValueError(f"compress_entries: comp_kv must be [T, *], got {tuple(comp_kv.shape)}")
+    t = comp_kv.shape[0]
+    if src_rows is not None:
+        if src_rows.dim() != 1 or src_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError("compress_entries: src_rows must be a 1-d int32/int64 tensor")
+        t = src_rows.shape[0]
     if entry_positions.shape != (t,) or emit_rows.shape != (t,):
         raise ValueError(
             f"compress_entries: entry_positions and emit_rows must be [{t}], got "
@@ -146,17 +151,24 @@ def compress_entries(
     rope_dim: int,
     theta: float,
     yarn: YarnScaling | None = None,
+    src_rows: Tensor | None = None,
 ) -> Tensor:
     """The kv source's compressor over T rows (§5.2): returns the latents [T, D] in dtype and
     stores the compressed keys `stored_rows(compressed_key(latent), fmt, cache.dtype)` at
-    cache[emit_rows] (−1: the row emits nothing).
+    cache[emit_rows] (−1: the row emits nothing). `src_rows` [T]: row t is comp_kv's row
+    src_rows[t] (the CP all-gather's rank-major rows in token order, `CPLayout.rerange_index`);
+    None: comp_kv is [T, ...] in token order.
 
     Ratio 2 (`pair_state` = the fp32 (kv, gate) state rows, comp_kv = fp32 kv | gate [T, 2D]):
     row t pools with its partner, the state's row read_rows[t] when >= 0, else row t − 1 (zeros
     above row 0); then every row t with write_rows[t] >= 0 leaves its kv and gate there (after
     the reads). Ratio 1 (`pair_state` None): comp_kv [T, D] is the entry itself."""
     check_store_cache(fmt, cache, dtype)
-    d = check_entries_args(comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows)
+    d = check_entries_args(
+        comp_kv, pair_state, read_rows, write_rows, entry_positions, emit_rows, src_rows
+    )
+    if src_rows is not None:
+        comp_kv = comp_kv.index_select(0, src_rows)
     if pair_state is None:
         pooled = comp_kv
     else:
