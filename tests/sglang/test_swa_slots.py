@@ -424,3 +424,35 @@ def test_sglang_paged_swa_allocator_keeps_the_position_parity(page: int) -> None
         assert bool(((swa == 0) | (swa % page == pos % page)).all())
         held += int((swa > 0).sum())
     assert held > 500 and refused > 0  # pools filled: freed pages were handed out again
+
+
+def test_a_cache_built_for_another_page_size_is_reallocated() -> None:
+    """The page size fixes the cache's layout (compressed rows slot // r, the pair rows'
+    halving): a cache preallocated at page 16 and then handed SGLang's page-1 pools is rebuilt,
+    so the forwards equal a fresh engine's (they differed by up to 1.46 when it was reused)."""
+    model = DeepseekV41Model(TINY, seed=3)
+    n = 512
+    slots = list(range(1, n))
+    random.Random(0).shuffle(slots)  # page 1: slots in any order
+
+    def run(engine: ServingEngine) -> list[torch.Tensor]:
+        r2t = torch.zeros(4, 256, dtype=torch.int32)
+        outs, start = [], 0
+        for length in (40, 25, 1):
+            s = torch.tensor(slots[start : start + length])
+            r2t[0, start : start + length] = s.int()
+            g = torch.Generator().manual_seed(start)
+            ids = torch.randint(0, TINY.vocab_size, (length,), generator=g)
+            batch = SGLangBatch("extend", (0,), (start,), (length,), ids, s)
+            outs.append(engine.forward(batch, r2t, SingleCPGroup(), num_slots=n + 2, page=1))
+            start += length
+        return outs
+
+    with torch.no_grad():
+        want = run(ServingEngine(model))
+        engine = ServingEngine(model)
+        engine.cache = engine.new_cache(n + 32, 16, (1, 1))
+        got = run(engine)
+    assert engine.cache is not None and engine.cache.page_size == 1
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -70,9 +70,10 @@ class SWAPool:
 
 def window_check_enabled(device: torch.device) -> bool:
     """Whether each forward runs `check_window_held` and `check_pair_parity`:
-    DSV4CP_CHECK_WINDOW=1 / 0 forces them on / off; unset, on for CPU and off for CUDA (the
-    checks sync the host each forward and build W − 1 positions per request, which would stall
-    SGLang's overlapped scheduling)."""
+    DSV4CP_CHECK_WINDOW=1 / 0 forces them on / off; unset, on for CPU and off for CUDA (they
+    build W − 1 positions per request on the host and wait for a device comparison: host time
+    on every forward, not measured on a GPU server; the adapter already reads the batch's ids
+    and positions on the host, so they add one more wait, not the first)."""
     raw = os.environ.get(WINDOW_CHECK_ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{WINDOW_CHECK_ENV} must be 0 or 1, got {raw!r}")
@@ -207,7 +208,8 @@ class ServingEngine:
         SGLang's SWA slots when `swa` is given."""
         shape = (int(req_to_token.shape[0]), int(req_to_token.shape[1]))
         cache = self.cache
-        fits = cache is not None and cache.num_slots >= num_slots
+        # the page size fixes the cache's layout (entry rows slot // r, the pair rows' halving)
+        fits = cache is not None and cache.num_slots >= num_slots and cache.page_size == page_size
         if cache is not None and (cache.swa_slots is None) != (swa is None):
             fits = False
         if cache is not None and swa is not None and (cache.swa_slots or 0) < swa.rows:
@@ -219,7 +221,8 @@ class ServingEngine:
         if self.graph_runners:
             raise ValueError(
                 "dsv4cp: SGLang's token pools changed after graphs were captured "
-                f"({cache.num_slots if cache else 0} slots → {num_slots}, table {shape})"
+                f"({cache.num_slots if cache else 0} slots → {num_slots}, page size "
+                f"{cache.page_size if cache else '-'} → {page_size}, table {shape})"
             )
         if cache is not None and fits:
             table = torch.zeros(shape, dtype=torch.long, device=cache.device)
@@ -228,11 +231,13 @@ class ServingEngine:
         else:
             if cache is not None:
                 logger.warning(
-                    "dsv4cp: SGLang's pools (%d slots, SWA rows %s) do not fit the cache "
-                    "allocated (%d slots, SWA rows %s); reallocating",
+                    "dsv4cp: SGLang's pools (%d slots, page size %d, SWA rows %s) do not fit "
+                    "the cache allocated (%d slots, page size %d, SWA rows %s); reallocating",
                     num_slots,
+                    page_size,
                     swa.rows if swa else "per slot",
                     cache.num_slots,
+                    cache.page_size,
                     cache.swa_slots or "per slot",
                 )
             cache = self.cache = self.new_cache(
@@ -290,7 +295,7 @@ class ServingEngine:
             return None
         gr = self.graph_runners.get(cp.cp_size)
         if gr is None:
-            gr = self.graph_runners[cp.cp_size] = GraphRunner(cfg, cp)
+            gr = GraphRunner(cfg, cp)  # registered once its capture has succeeded
 
             def body(static: StaticBatch) -> Tensor:
                 ctx = ForwardContext.for_rank(
@@ -307,4 +312,5 @@ class ServingEngine:
                     lambda b: StaticBatch(b, cfg, cache.req_to_token, self.ratios, cp),
                     self.capture_barrier or cp.barrier,
                 )
+            self.graph_runners[cp.cp_size] = gr
         return gr
