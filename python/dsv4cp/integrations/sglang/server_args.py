@@ -174,7 +174,9 @@ class ModelOverrides:
             raise Dsv4cpServerArgsError(
                 f'dsv4cp: dsv4cp_quant must be "qat" or "none", got {quant!r}'
             )
-        graphs = value.get("dsv4cp_graphs") or []
+        graphs = value.get("dsv4cp_graphs", [])
+        if graphs is None:  # an HF config attribute left unset
+            graphs = []
         if not isinstance(graphs, list) or not all(
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in graphs
         ):
@@ -185,6 +187,10 @@ class ModelOverrides:
         if isinstance(reqs, bool) or not isinstance(reqs, int) or reqs < 1:
             raise Dsv4cpServerArgsError(
                 f"dsv4cp: dsv4cp_graph_max_requests must be a positive int, got {reqs!r}"
+            )
+        if "dsv4cp_graph_max_requests" in value and not graphs:
+            raise Dsv4cpServerArgsError(
+                "dsv4cp: dsv4cp_graph_max_requests has no effect without dsv4cp_graphs"
             )
         return cls(quant, tuple(graphs), reqs)
 
