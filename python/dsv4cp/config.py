@@ -25,6 +25,7 @@ from dsv4cp.config_fields import (
     NONNEG,
     POS,
     SIZE,
+    THETA,
     bad_field,
     checked,
     ruled,
@@ -75,8 +76,8 @@ class DeepseekV41Config:
     o_groups: int = ruled(SIZE)
     sliding_window: int = ruled(SIZE)  # window_size
     rms_norm_eps: float = ruled(NONNEG)  # norm_eps
-    rope_theta: float = ruled(POS)
-    compress_rope_theta: float = ruled(POS)
+    rope_theta: float = ruled(THETA)
+    compress_rope_theta: float = ruled(THETA)
     index_n_heads: int = ruled(SIZE)
     index_head_dim: int = ruled(SIZE)
     index_topk: int = ruled(SIZE)

@@ -3,19 +3,24 @@ the field (`ruled(rule)`); `checked` enforces it with a ValueError naming the fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, field
 from typing import Any
 
 # A tuple rule lists the allowed values.
 SIZE, COUNT, LAYER = "size", "count", "layer"
 POS, NONNEG, FLAG, IDS = "pos", "nonneg", "flag", "ids"
+# A RoPE base: YaRN divides by log(theta), and a base ≤ 1 does not make decaying frequencies.
+THETA = "theta"
+_NUM_MIN = {POS: 0.0, NONNEG: 0.0, THETA: 1.0}  # exclusive for POS and THETA
 _INT_MIN = {SIZE: 1, COUNT: 0, LAYER: -1}
 _WHAT = {
     SIZE: "a positive integer",
     COUNT: "a non-negative integer",
     LAYER: "a layer id or -1",
-    POS: "a positive number",
-    NONNEG: "a non-negative number",
+    POS: "a positive finite number",
+    NONNEG: "a non-negative finite number",
+    THETA: "a finite number greater than 1",
     FLAG: "true or false",
     IDS: "a list of non-negative integers",
 }
@@ -48,7 +53,17 @@ def checked(name: str, v: Any, rule: str | tuple[str, ...]) -> Any:
     elif rule in _INT_MIN:
         ok = _is_int(v) and v >= _INT_MIN[rule]
     else:
-        ok = (_is_int(v) or isinstance(v, float)) and (v > 0 if rule == POS else v >= 0)
+        ok = is_finite_number(v) and (v >= 0 if rule == NONNEG else v > _NUM_MIN[rule])
     if not ok:
         raise bad_field(name, f"must be {_WHAT[rule]}, got {v!r}")
-    return tuple(v) if rule == IDS else float(v) if rule in (POS, NONNEG) else v
+    return tuple(v) if rule == IDS else float(v) if rule in _NUM_MIN else v
+
+
+def is_finite_number(v: Any) -> bool:
+    """An int or float (not a bool), neither NaN nor ±inf, nor an int too large for a float."""
+    if not (_is_int(v) or isinstance(v, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False

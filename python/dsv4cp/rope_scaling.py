@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,13 @@ _HF_NAMES = (
     ("beta_slow", "beta_slow"),
 )
 _DEFAULT_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the reference ModelArgs' defaults
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 @dataclass(frozen=True)
@@ -43,14 +51,29 @@ class YarnScaling:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"rope_scaling.{key}: must be a number, got {v!r}")
             values[name] = v
-        if values["factor"] <= 0:
-            raise ValueError(f"rope_scaling.factor: must be positive, got {values['factor']}")
+        # factor divides the frequencies; the betas go into log(omp / (2π·beta)) (`_yarn_band`).
+        # NaN passes a plain `<= 0` test, hence the finiteness check. Either beta order is
+        # accepted, as in DeepSeek's yarn code.
+        for name, key in _HF_NAMES:
+            v = values[name]
+            if name != "original_max_position" and not (_finite(v) and v > 0):
+                raise ValueError(f"rope_scaling.{key}: must be a positive finite number, got {v!r}")
         omp = values["original_max_position"]
         if not isinstance(omp, int) or omp <= 0:
             raise ValueError(
                 f"rope_scaling.original_max_position_embeddings: must be a positive integer, "
                 f"got {omp!r}"
             )
+        for key in ("beta_fast", "beta_slow"):  # a subnormal beta or a huge omp overflows it
+            try:
+                ok = _finite(omp / (2 * math.pi * values[key]))
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"rope_scaling.{key}: original_max_position_embeddings / (2π·{key}) must be "
+                    f"a finite number, got {key}={values[key]!r} and {omp!r}"
+                )
         return cls(
             float(values["factor"]), omp, float(values["beta_fast"]), float(values["beta_slow"])
         )
