@@ -122,6 +122,41 @@ def test_export_refuses_a_directory_holding_another_checkpoint(
     assert json.loads((d / "config.json").read_text())["model_type"]
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
+def test_export_refuses_an_output_path_that_is_a_directory(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Before: a traceback after config.json and the weights were written (tokenizer.json), or
+    # an IsADirectoryError (config.json). Now refused up front, nothing written, --force or not.
+    d = tmp_path / "ckpt"
+    (d / name).mkdir(parents=True)
+    for force in ([], ["--force"]):
+        _one_error(["export-tiny", str(d), *force], f"{name} is in the way (not a file)", capsys)
+        assert [p.name for p in d.iterdir()] == [name]
+
+
+def test_export_that_fails_while_writing_leaves_the_directory_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv4cp.tools import export_tiny as mod
+
+    d = tmp_path / "ckpt"
+    mod.export_tiny(d, seed=1)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mod, "write_tokenizer", broken)
+    with pytest.raises(OSError, match="No space left"):
+        mod.export_tiny(d, seed=2)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no scratch dir left either
+    empty = tmp_path / "empty"
+    with pytest.raises(OSError, match="No space left"):
+        mod.export_tiny(empty, seed=2)
+    assert list(empty.iterdir()) == []
+
+
 def test_demo_lens_alone_does_not_blame_the_default_prefix(capsys: pytest.CaptureFixture) -> None:
     argv = ["demo", "--cp", "2", "--cp-backend", "fake", "--lens", "30", "--chunk", "0"]
     assert main(argv) == 0

@@ -45,9 +45,16 @@ def foreign_weights(path: Path, ours: str) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.model import WEIGHTS_FILE
-    from dsv4cp.tools.export_tiny import export_tiny
+    from dsv4cp.tools.export_tiny import blocked_outputs, export_tiny
 
     path = output_dir(args.dir)
+    blocked = blocked_outputs(path)
+    if blocked:
+        names = ", ".join(f.name for f in blocked)
+        raise UsageError(
+            f"{args.dir}: {names} {'is' if len(blocked) == 1 else 'are'} in the way (not a file): "
+            "export-tiny writes a file there; move or delete it"
+        )
     stale = foreign_weights(path, WEIGHTS_FILE)
     if stale and not args.force:
         names = ", ".join(f.name for f in stale[:4]) + (" …" if len(stale) > 4 else "")

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,10 @@ from dsv4cp.config import DeepseekV41Config
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 SPECIALS = (BOS, EOS, PAD)
 _LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
+# What export_tiny writes besides the weights (`model.WEIGHTS_FILE`), in the order they are
+# moved into place: config.json last, so a directory with a config has the rest.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_OTHER_FILES = (*_TOKENIZER_FILES, "generation_config.json", "config.json")
 
 
 def _byte_alphabet() -> list[str]:
@@ -116,12 +123,44 @@ def export_tiny(
     config = config or DeepseekV41Config.tiny()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    blocked = blocked_outputs(path)
+    if blocked:
+        raise ValueError(f"export_tiny: {blocked[0]} exists and is not a file")
     model = DeepseekV41Model(config, dtype=torch.float32, device="cpu", seed=seed)
-    model.save_pretrained(path)
-    cfg_path = path / "config.json"
-    hf = serving_config(json.loads(cfg_path.read_text()), config, "float32")
-    cfg_path.write_text(json.dumps(hf, indent=2) + "\n")
-    write_tokenizer(path, config.vocab_size, model_max_length)
-    gen = {**token_ids(config.vocab_size), "_from_model_config": False}
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    # Everything is written into a scratch directory inside `path` (same file system), then
+    # renamed into place: a failure while writing leaves `path` as it was.
+    scratch = Path(tempfile.mkdtemp(prefix=".export-tiny-", dir=path))
+    try:
+        model.save_pretrained(scratch)
+        cfg_path = scratch / "config.json"
+        hf = serving_config(json.loads(cfg_path.read_text()), config, "float32")
+        cfg_path.write_text(json.dumps(hf, indent=2) + "\n")
+        write_tokenizer(scratch, config.vocab_size, model_max_length)
+        gen = {**token_ids(config.vocab_size), "_from_model_config": False}
+        (scratch / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        for name in output_names():
+            os.replace(scratch / name, path / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def output_names() -> tuple[str, ...]:
+    """The files export_tiny writes into its directory, in the order they are moved there."""
+    from dsv4cp.model import WEIGHTS_FILE
+
+    return (WEIGHTS_FILE, *_OTHER_FILES)
+
+
+def blocked_outputs(path: Path) -> list[Path]:
+    """Output paths in `path` that exist and are neither a file nor a link (a directory, a fifo,
+    …): a rename onto them fails. A link is replaced, not written through."""
+    out = []
+    for name in output_names():
+        try:
+            mode = (path / name).lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            out.append(path / name)
+    return out
