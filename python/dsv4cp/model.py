@@ -80,6 +80,12 @@ def check_supported(config: DeepseekV41Config, quant: QuantMode) -> None:
         )
 
 
+def default_quant(config: DeepseekV41Config) -> QuantMode:
+    """The quant mode a config runs with unless asked otherwise: "qat" when it has a
+    quantization_config (the released storage), else "none" (the SGLang server's default)."""
+    return "qat" if config.quantization is not None else "none"
+
+
 class DeepseekV41Model(nn.Module):
     """`layer_hook`, when set (by `tools.checking`), sees every block's output rows (streams
     [P, H, d] with hyper-connections); `block_input_hook` may replace what enters a block
@@ -251,12 +257,16 @@ class DeepseekV41Model(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant: QuantMode | None = None,
     ) -> DeepseekV41Model:
-        """Load a dsv4cp export (`save_pretrained`, `export-tiny`)."""
+        """Load a dsv4cp export (`save_pretrained`, `export-tiny`). `quant` None: the export's
+        own numerics (`default_quant`: "qat" when config.json has a quantization_config, as the
+        server's default), so a saved qat model reloads as qat."""
         from safetensors.torch import load_file
 
         config = DeepseekV41Config.from_hf(path)
-        model = cls(config, dtype=dtype, device=device, seed=None)
+        mode = default_quant(config) if quant is None else quant
+        model = cls(config, dtype=dtype, device=device, seed=None, quant=mode)
         model.load_state(load_file(os.path.join(path, WEIGHTS_FILE)))
         return model
 

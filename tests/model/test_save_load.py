@@ -59,3 +59,22 @@ def test_quant_modes_not_there_yet_raise() -> None:
         DeepseekV41Model(DeepseekV41Config.tiny(), quant="sglang_v4_layout")
     with pytest.raises(ValueError, match="unknown quant mode"):
         DeepseekV41Model(DeepseekV41Config.tiny(), quant="int3")
+
+
+def test_qat_export_reloads_as_qat(tmp_path: Path) -> None:
+    """A quantized export (quantization_config, fp8/fp4 storage) reloads with its own numerics:
+    from_pretrained's quant defaults to qat there, "none" elsewhere, and can be asked for."""
+    cfg = DeepseekV41Config.tiny_full(quantization=DeepseekV41Config.flash().quantization)
+    model = DeepseekV41Model(cfg, seed=3, quant="qat", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    again = DeepseekV41Model.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert again.quant == "qat"
+    prompt = list(range(1, 40))
+    a = PrefillRunner(model, num_slots=256).prefill({"p": prompt}).logits
+    b = PrefillRunner(again, num_slots=256).prefill({"p": prompt}).logits
+    assert torch.equal(a, b)
+    plain = DeepseekV41Model.from_pretrained(tmp_path, dtype=torch.bfloat16, quant="none")
+    assert plain.quant == "none"
+    dense = tmp_path / "dense"
+    DeepseekV41Model(DeepseekV41Config.tiny(), seed=0).save_pretrained(dense)
+    assert DeepseekV41Model.from_pretrained(dense).quant == "none"

@@ -149,8 +149,9 @@ def checkpoint_format(model_path: str | os.PathLike[str]) -> str:
 class Reference:
     """dsv4cp's runner on the checkpoint; one fresh request per prompt, teacher-forced.
 
-    A released-format checkpoint loads with `from_checkpoint` (`quant` "auto": qat when it has
-    a quantization_config, as the server's default), an export with `from_pretrained`. `dtype`
+    A released-format checkpoint loads with `from_checkpoint`, an export with `from_pretrained`;
+    `quant` "auto" is `model.default_quant` for either (qat when config.json has a
+    quantization_config, as the server's default). `dtype`
     "auto": bfloat16 for a released checkpoint, float32 for an export (the server's `--dtype`)."""
 
     def __init__(
@@ -159,24 +160,20 @@ class Reference:
         import torch
 
         from dsv4cp.config import DeepseekV41Config
-        from dsv4cp.model import DeepseekV41Model
+        from dsv4cp.model import DeepseekV41Model, default_quant
+        from dsv4cp.ops import check_quant_mode
 
         self.torch = torch
         released = checkpoint_format(model_path) == "released"
         if dtype == "auto":
             dtype = "bfloat16" if released else "float32"
         if quant == "auto":
-            quant = "qat" if DeepseekV41Config.from_hf(model_path).quantization else "none"
+            quant = default_quant(DeepseekV41Config.from_hf(model_path))
         self.dtype, self.quant = dtype, quant
-        if released:
-            self.model = DeepseekV41Model.from_checkpoint(
-                model_path, quant=quant, dtype=getattr(torch, dtype), device="cpu"
-            )
-        else:
-            self.model = DeepseekV41Model.from_pretrained(
-                model_path, dtype=getattr(torch, dtype), device="cpu"
-            )
-            self.model.set_quant(quant)
+        load = DeepseekV41Model.from_checkpoint if released else DeepseekV41Model.from_pretrained
+        self.model = load(
+            model_path, quant=check_quant_mode(quant), dtype=getattr(torch, dtype), device="cpu"
+        )
         self.context = int(self.model.config.max_position_embeddings)
 
     def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[Tensor, Tensor]:
