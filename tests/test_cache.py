@@ -207,6 +207,20 @@ def test_pair_rows_on_swa_slots_halve_at_an_even_page_size(page: int) -> None:
     assert write == [-1, 10 // page, -1, 12 // page, 14 // page, -1, 16 // page]
 
 
+def test_allocator_refuses_a_cache_whose_swa_rows_an_outside_allocator_maps() -> None:
+    """A `swa_slots` cache's SWA rows follow SGLang's map, which PagedAllocator (and so
+    PrefillRunner) never writes: refused at construction, not an IndexError in the forward."""
+    from dsv4cp.model import DeepseekV41Model
+    from dsv4cp.runner import PrefillRunner
+
+    cache = KVCache(TINY, 256, swa_slots=128)
+    with pytest.raises(ValueError, match="swa_slots=128.*outside allocator.*SGLang"):
+        PagedAllocator(cache)
+    with pytest.raises(ValueError, match="without swa_slots"):
+        PrefillRunner(DeepseekV41Model(TINY, seed=1), cache=cache)
+    PagedAllocator(KVCache(TINY, 256, window_slots=64))  # the window pool it manages itself
+
+
 def test_meta_device_cache_and_its_views() -> None:
     cache = _flash_cache_for(4096, 64)
     assert cache.swa[0].device.type == "meta" and cache.swa[0].shape[1] == 528

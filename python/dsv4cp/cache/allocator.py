@@ -44,6 +44,14 @@ class PagedAllocator:
     """
 
     def __init__(self, cache: KVCache) -> None:
+        if cache.swa_slots is not None:
+            raise ValueError(
+                f"PagedAllocator: the cache was built with swa_slots={cache.swa_slots}: its SWA "
+                "and pair-state rows are mapped by an outside allocator (SGLang's hybrid-SWA "
+                "pools, `KVCache.set_swa_slot_map`), which this allocator does not drive; build "
+                "the cache without swa_slots (a row per token slot) or with window_slots (the "
+                "SWA window pool this allocator manages)"
+            )
         self.cache = cache
         self.page_size = cache.page_size
         n_pages = cache.num_slots // self.page_size
