@@ -52,6 +52,48 @@ class PrefillOutput:
     hidden: Tensor  # [T, d] global rows, before the final norm
 
 
+def _items(requests: object) -> list[object]:
+    if isinstance(requests, (str, bytes, bytearray)) or not hasattr(requests, "__iter__"):
+        raise ValueError(
+            "prefill: requests must be a mapping rid → token ids or a sequence of (rid, token "
+            f"ids) pairs, got {type(requests).__name__}"
+        )
+    return list(requests)
+
+
+def _request_pair(i: int, item: object) -> tuple[object, object]:
+    """Item `i` of a sequence of requests as (rid, token ids); a ValueError naming the index if
+    it is not a pair or its rid is not hashable (request ids key the allocator's table)."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ValueError(
+            f"prefill: request {i} is {item!r}: each request must be a (rid, token ids) pair "
+            "(a list of prompts needs ids: pass a mapping rid → token ids, or use generate)"
+        )
+    rid, toks = item
+    try:
+        hash(rid)
+    except TypeError:
+        raise ValueError(
+            f"prefill: request {i} has rid {rid!r} of type {type(rid).__name__}, which is not "
+            "hashable; request ids must be hashable (str, int, tuple, ...)"
+        ) from None
+    return rid, toks
+
+
+def _token_seq(rid: object, toks: object) -> list[object]:
+    """The token ids of request `rid` as a list: a non-string sequence (list, tuple, range,
+    1-d tensor or array); a string, a mapping, a set or a scalar is a ValueError."""
+    if not isinstance(toks, (str, bytes, bytearray, Mapping, set, frozenset)):
+        try:
+            return list(toks)  # type: ignore[call-overload]
+        except TypeError:  # not iterable: an int, a 0-d tensor, None
+            pass
+    raise ValueError(
+        f"prefill: request {rid!r}: token ids must be a sequence of ints, got "
+        f"{type(toks).__name__} {toks!r:.40}"
+    )
+
+
 class PrefillRunner:
     def __init__(
         self,
@@ -92,15 +134,16 @@ class PrefillRunner:
 
     # ------------------------------------------------------------------ prefill
     def _token_lists(self, requests: Requests) -> list[tuple[object, list[int]]]:
-        """(rid, token ids) per request; ids checked against the vocabulary here, on the host
-        (the batch's shape is checked by `PrefillBatch`)."""
-        items = list(requests.items()) if isinstance(requests, Mapping) else list(requests)
+        """(rid, token ids) per request: each item a (hashable rid, non-string sequence of int
+        ids) pair, the ids checked against the vocabulary here, on the host (the batch's shape
+        is checked by `PrefillBatch`). Nothing is reserved yet: a ValueError leaves the cache
+        as it was."""
+        items = list(requests.items()) if isinstance(requests, Mapping) else _items(requests)
         out = []
         vocab = self.model.config.vocab_size
-        for rid, toks in items:
-            if isinstance(toks, (str, bytes)):
-                raise ValueError(f"prefill: request {rid!r}: token ids must be a sequence of ints")
-            ids = [_token_id(rid, t) for t in toks]
+        for i, item in enumerate(items):
+            rid, toks = _request_pair(i, item)
+            ids = [_token_id(rid, t) for t in _token_seq(rid, toks)]
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(
@@ -138,6 +181,27 @@ class PrefillRunner:
         starts = list(starts) if starts is not None else [None] * len(items)
         if len(starts) != len(items):
             raise ValueError("prefill: starts must have one entry per request")
+        reservations, batch = self._reserve(items, starts)
+        try:
+            self._check_same_batch(batch)
+            for res in reservations:
+                self.alloc.write_table(res)
+            with use_timer(timer):
+                eager = timer is not None or self.model.hooked
+                out = self._forward(batch, reservations, return_all_logits, eager)
+        except BaseException:
+            self._rollback(reservations)
+            raise
+        for res in reservations:
+            self.alloc.commit(res)
+        return out
+
+    def _reserve(
+        self, items: list[tuple[object, list[int]]], starts: Sequence[int | None]
+    ) -> tuple[list[Reservation], PrefillBatch]:
+        """Reserve every request's slots (positions, the cache's room) and build the batch (its
+        shape: no empty request, no duplicate): every check of a prefill before a write. If one
+        fails, what was reserved is rolled back and the error raised."""
         reservations: list[Reservation] = []
         try:
             for (rid, toks), s in zip(items, starts):
@@ -148,19 +212,14 @@ class PrefillRunner:
                     for (rid, toks), res in zip(items, reservations)
                 )
             )
-            self._check_same_batch(batch)
-            for res in reservations:
-                self.alloc.write_table(res)
-            with use_timer(timer):
-                eager = timer is not None or self.model.hooked
-                out = self._forward(batch, reservations, return_all_logits, eager)
         except BaseException:
-            for res in reversed(reservations):
-                self.alloc.rollback(res)
+            self._rollback(reservations)
             raise
-        for res in reservations:
-            self.alloc.commit(res)
-        return out
+        return reservations, batch
+
+    def _rollback(self, reservations: list[Reservation]) -> None:
+        for res in reversed(reservations):
+            self.alloc.rollback(res)
 
     def _forward(
         self,
@@ -253,7 +312,8 @@ class PrefillRunner:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
         rids = self._generate_rids(len(prompts), rids)
         items = self._token_lists(list(zip(rids, prompts)))
-        if max_new_tokens == 0:
+        if max_new_tokens == 0:  # checked as a prefill would (empty, too long), nothing runs
+            self._rollback(self._reserve(items, [None] * len(items))[0])
             return [[] for _ in items]
         try:
             out = self.prefill(items)

@@ -82,6 +82,38 @@ CASES = [
         ValueError,
         "tensor torch.float32",
     ),
+    # Malformed requests: a ValueError naming the request, not an unpacking or hashing error.
+    (
+        "a list of prompts without rids",
+        lambda r: r.prefill([[1, 2, 3]]),
+        ValueError,
+        r"request 0 is \[1, 2, 3\]: .*\(rid, token ids\) pair",
+    ),
+    ("an int as the ids", lambda r: r.prefill({"b": 5}), ValueError, "'b'.*sequence of ints"),
+    ("None as the ids", lambda r: r.prefill([("b", None)]), ValueError, "sequence of ints"),
+    ("a set as the ids", lambda r: r.prefill({"b": {1, 2}}), ValueError, "sequence of ints"),
+    (
+        "a 0-d tensor as the ids",
+        lambda r: r.prefill({"b": torch.tensor(3)}),
+        ValueError,
+        "sequence of ints",
+    ),
+    (
+        "an unhashable rid",
+        lambda r: r.prefill([("b", [1]), (["x"], [1, 2])]),
+        ValueError,
+        r"request 1 has rid \['x'\].*not hashable",
+    ),
+    ("a string as the requests", lambda r: r.prefill("ab"), ValueError, "mapping rid"),
+    ("an int as the requests", lambda r: r.prefill(3), ValueError, "mapping rid"),
+    # generate(..., 0) runs nothing but checks its prompts as a prefill would.
+    ("generate 0 of an empty prompt", lambda r: r.generate([[]], 0), ValueError, "no new tokens"),
+    (
+        "generate 0 of a prompt over max_context",
+        lambda r: r.generate([[1, 2], list(range(65))], 0),
+        CacheFullError,
+        "65 tokens exceed max_context=64",
+    ),
 ]
 
 
