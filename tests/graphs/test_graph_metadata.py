@@ -120,6 +120,34 @@ def test_graphs_need_cuda_and_accept_true() -> None:
         GraphConfig(buckets=())
 
 
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("buckets", {"buckets": (64, 0)}),
+        ("buckets", {"buckets": (64, -8)}),
+        ("buckets", {"buckets": (64.0,)}),
+        ("buckets", {"buckets": (True,)}),
+        ("buckets", {"buckets": 64}),
+        ("buckets", {"buckets": "64"}),
+        ("max_requests", {"max_requests": 0}),
+        ("max_context", {"max_context": 2048.5}),
+        ("max_batch_context", {"max_batch_context": -1}),
+        ("max_batch_context", {"max_batch_context": 4096.0}),
+        ("max_batch_context", {"max_batch_context": None}),
+    ],
+)
+def test_graph_config_refuses_bad_fields(field: str, kwargs: dict) -> None:
+    """A field out of range is a ValueError naming it (max_batch_context=-1 once gave a
+    workspace of 7 rows: graphs silently never used)."""
+    with pytest.raises(ValueError, match=f"GraphConfig.{field} must be"):
+        GraphConfig(**kwargs)
+
+
+def test_graph_config_accepts_lists_and_an_explicit_batch_context() -> None:
+    assert GraphConfig(buckets=[16, 32], max_batch_context=4096).batch_context == 4096
+    assert GraphConfig(max_context=100).batch_context == 200
+
+
 def test_replay_outside_inference_mode() -> None:
     """Capture makes the static buffers under inference mode; a caller outside it (a bare
     `ServingEngine.forward`, as tests/gpu/test_sglang_engine.py does) must still replay: on the

@@ -33,6 +33,10 @@ from dsv4cp.side_streams import side_stream
 log = logging.getLogger("dsv4cp.graphs")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     buckets: tuple[int, ...] = (64, 256, 1024)  # global tokens per forward
@@ -41,10 +45,19 @@ class GraphConfig:
     max_batch_context: int = 0  # bound on Σ (prefix + new) over the batch; 0 = 2·max_context
 
     def __post_init__(self) -> None:
-        if not self.buckets or min(self.buckets) < 1:
-            raise ValueError(f"GraphConfig.buckets must be positive, got {self.buckets}")
-        if self.max_requests < 1 or self.max_context < 1:
-            raise ValueError("GraphConfig.max_requests and max_context must be >= 1")
+        """Every field an int (not a bool) in range: a ValueError naming the field. A negative
+        max_batch_context once gave a workspace too small for any batch (graphs never used)."""
+        buckets = tuple(self.buckets) if isinstance(self.buckets, (tuple, list)) else None
+        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+            raise ValueError(
+                f"GraphConfig.buckets must be a non-empty sequence of positive ints, got "
+                f"{self.buckets!r}"
+            )
+        for name, low in (("max_requests", 1), ("max_context", 1), ("max_batch_context", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                what = "0 (= 2·max_context) or a positive int" if low == 0 else "a positive int"
+                raise ValueError(f"GraphConfig.{name} must be {what}, got {v!r}")
 
     @property
     def batch_context(self) -> int:
