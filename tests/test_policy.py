@@ -51,6 +51,15 @@ def test_bad_env_threshold_names_the_variable(monkeypatch: pytest.MonkeyPatch, v
         MultistreamPolicy.from_env()
 
 
+@pytest.mark.parametrize("value", ["1", "true", "ON"])
+def test_bad_env_mode_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DSV4CP_MULTISTREAM", value)
+    msg = f"DSV4CP_MULTISTREAM must be auto, on or off, got '{value}'"
+    with pytest.raises(ValueError, match=msg):
+        MultistreamPolicy.from_env()
+    assert MultistreamPolicy.from_env("off").mode == "off"  # read only where it applies
+
+
 def test_decision_logged_once_per_shape(caplog: pytest.LogCaptureFixture) -> None:
     p = MultistreamPolicy()
     with caplog.at_level(logging.INFO, logger="dsv4cp.policy"):

@@ -25,6 +25,9 @@ DEFAULT_MAX_TOKENS_GRAPH = 8192
 DEFAULT_MIN_TOKENS_EAGER = 8192
 
 
+MODES = ("auto", "on", "off")
+
+
 @dataclass
 class MultistreamPolicy:
     mode: str = "auto"  # "auto" | "on" | "off"
@@ -33,7 +36,7 @@ class MultistreamPolicy:
     _logged: set[tuple[int, bool]] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "on", "off"):
+        if self.mode not in MODES:
             raise ValueError(f"multistream mode must be auto, on or off, got {self.mode!r}")
         if self.max_tokens_graph < 0:
             raise ValueError(f"max_tokens_graph must be >= 0, got {self.max_tokens_graph}")
@@ -60,8 +63,11 @@ class MultistreamPolicy:
                 raise ValueError(
                     f"DSV4CP_MULTISTREAM_MAX_TOKENS must be an integer >= 0, got {env_max!r}"
                 )
+        use_env = mode in (None, "auto") and env_mode
+        if use_env and env_mode not in MODES:
+            raise ValueError(f"DSV4CP_MULTISTREAM must be auto, on or off, got {env_mode!r}")
         return cls(
-            mode=env_mode if (mode in (None, "auto") and env_mode) else (mode or "auto"),
+            mode=env_mode if use_env else (mode or "auto"),
             max_tokens_graph=DEFAULT_MAX_TOKENS_GRAPH if max_tokens is None else max_tokens,
         )
 
