@@ -63,11 +63,12 @@ class MultistreamPolicy:
                 raise ValueError(
                     f"DSV4CP_MULTISTREAM_MAX_TOKENS must be an integer >= 0, got {env_max!r}"
                 )
-        use_env = mode in (None, "auto") and env_mode
-        if use_env and env_mode not in MODES:
-            raise ValueError(f"DSV4CP_MULTISTREAM must be auto, on or off, got {env_mode!r}")
+        if mode in (None, "auto") and env_mode:
+            if env_mode not in MODES:
+                raise ValueError(f"DSV4CP_MULTISTREAM must be auto, on or off, got {env_mode!r}")
+            mode = env_mode
         return cls(
-            mode=env_mode if use_env else (mode or "auto"),
+            mode=mode or "auto",
             max_tokens_graph=DEFAULT_MAX_TOKENS_GRAPH if max_tokens is None else max_tokens,
         )
 
