@@ -206,3 +206,38 @@ def test_entry_point_exits_with_mains_status(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(SystemExit) as e:
         run(["cache-size", "--config", "tiny", "--tokens", "64"])
     assert e.value.code == 0
+
+
+def _fixture_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    from tests.checkpoint.corrupt import FIXTURE
+
+    return Path(shutil.copytree(FIXTURE, tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("command", ["check", "demo"])
+def test_checkpoint_that_fails_to_load_is_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A CheckpointError from the loader (here a missing shard) is bad input: one line, exit 2
+    (it was a traceback: the weights load after the argument checks)."""
+    from tests.checkpoint.corrupt import shard_of
+
+    d = _fixture_copy(tmp_path)
+    shard_of(d, "norm.weight").unlink()
+    _one_error([command, "--checkpoint", str(d)], "shard file is missing", capsys)
+
+
+@pytest.mark.parametrize("quant", ["none", "qat"])
+def test_checkpoint_given_a_dsv4cp_export_says_so(
+    quant: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """An export-tiny directory as --checkpoint: named as an export before any weight is read
+    (it was a traceback: 33 missing `.scale` tensors, or NotImplementedError with qat)."""
+    d = tmp_path / "export"
+    assert main(["export-tiny", str(d)]) == 0
+    capsys.readouterr()
+    for command in ("check", "demo"):
+        argv = [command, "--checkpoint", str(d), "--quant", quant]
+        _one_error(argv, f"{d} is a dsv4cp export", capsys)

@@ -41,16 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _reported(e: Exception, command: str) -> int | None:
     """The exit status for an error shown as its message alone (no traceback), else None.
 
-    Input errors (`UsageError`, side streams that cannot be had) exit 2; a CP run that failed
+    Input errors (`UsageError`, a checkpoint that cannot be read or does not fit the model
+    (`CheckpointError`), side streams that cannot be had) exit 2; a CP run that failed
     (a rank died, hung or raised; a collective failed) exits 1 with the launcher's summary (the
     ranks' tracebacks too with DSV4CP_DEBUG_CP=1)."""
+    from dsv4cp.checkpoint.errors import CheckpointError
     from dsv4cp.commands.common import UsageError
     from dsv4cp.cp.group import CPCommError
     from dsv4cp.cp.guard import debug_cp_enabled
     from dsv4cp.cp.launch import CPLaunchError
     from dsv4cp.side_streams import SideStreamError
 
-    if isinstance(e, (UsageError, SideStreamError)):
+    if isinstance(e, (UsageError, CheckpointError, SideStreamError)):
         print(f"dsv4cp {command}: {e}", file=sys.stderr)
         return 2
     if isinstance(e, CPLaunchError):
