@@ -180,6 +180,43 @@ def test_header_sizes_must_match_dtype_and_shape(tmp_path: Path) -> None:
     assert f"tensor '{WQ_A}': BF16 [64, 128] needs 16384 bytes" in str(e.value)
 
 
+# (field, malformed value, what the error says): each was a raw TypeError (or, for the shape
+# string, read digit by digit as [3, 2]).
+MALFORMED = [
+    ("data_offsets", ["0", "128"], "data_offsets must be two integers, got ['0', '128']"),
+    ("data_offsets", [0.0, 8192.0], "data_offsets must be two integers, got [0.0, 8192.0]"),
+    ("data_offsets", [0, True], "data_offsets must be two integers"),
+    ("data_offsets", [0], "data_offsets must be two integers, got [0]"),
+    ("dtype", ["BF16"], "dtype must be a string, got ['BF16']"),
+    ("shape", "32", "shape must be a list of non-negative integers, got '32'"),
+    ("shape", [64.0, 128], "shape must be a list of non-negative integers"),
+    ("shape", [True, 128], "shape must be a list of non-negative integers"),
+    ("shape", [-64, 128], "shape must be a list of non-negative integers"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", MALFORMED, ids=[str(m[:2]) for m in MALFORMED])
+def test_malformed_header_entry_names_file_and_tensor(
+    field: str, value: object, message: str, tmp_path: Path
+) -> None:
+    root = copy_checkpoint(tmp_path / "ckpt")
+    shard = shard_of(root, WQ_A)
+    edit_header(shard, lambda h: h[WQ_A].__setitem__(field, value))
+    with CheckpointReader(root) as r, pytest.raises(CheckpointError) as e:
+        r.spec(WQ_A)
+    assert f"{shard}: tensor '{WQ_A}': {message}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_header_entry_that_is_not_an_object(tmp_path: Path) -> None:
+    root = copy_checkpoint(tmp_path / "ckpt")
+    shard = shard_of(root, WQ_A)
+    edit_header(shard, lambda h: h.__setitem__(WQ_A, None))
+    with CheckpointReader(root) as r, pytest.raises(CheckpointError) as e:
+        r.spec(WQ_A)
+    assert f"{shard}: tensor '{WQ_A}': malformed header entry None" in str(e.value)
+
+
 def test_wrong_dtype_and_misshaped_scale_fail_validation(tmp_path: Path) -> None:
     root = copy_checkpoint(tmp_path / "ckpt")
     shard = shard_of(root, WQ_A)

@@ -89,18 +89,35 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     return entries
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> HeaderEntry:
-    try:
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]  # type: ignore[index]
-        shape = tuple(int(d) for d in shape)
-    except (TypeError, KeyError, ValueError):
-        raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from None
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r}")
-    nbytes = math.prod(shape) * DTYPES[dtype][1].itemsize
-    if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
+    """One header entry, checked: `dtype` a known name, `shape` a list of non-negative integers,
+    `data_offsets` two integers (JSON strings, floats and booleans are refused, not coerced)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         raise CheckpointError(
-            f"{path}: tensor {name!r}: {dtype} {list(shape)} needs {nbytes} bytes but "
+            f"{where}: malformed header entry {info!r} (needs dtype, shape and data_offsets)"
+        )
+    dtype, raw_shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype must be a string, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
+    if not isinstance(raw_shape, list) or not all(_is_int(d) and d >= 0 for d in raw_shape):
+        raise CheckpointError(
+            f"{where}: shape must be a list of non-negative integers, got {raw_shape!r}"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
+        raise CheckpointError(f"{where}: data_offsets must be two integers, got {offsets!r}")
+    shape: tuple[int, ...] = tuple(raw_shape)
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype][1].itemsize
+    if begin < 0 or end - begin != nbytes:
+        raise CheckpointError(
+            f"{where}: {dtype} {list(shape)} needs {nbytes} bytes but "
             f"data_offsets give [{begin}, {end}]"
         )
     if data_start + end > size:
