@@ -147,6 +147,32 @@ def test_missing_shard_file(tmp_path: Path) -> None:
     assert "'head.weight'" in str(e.value) and f"{shard}: shard file is missing" in str(e.value)
 
 
+@pytest.mark.parametrize("target", [".", "..", ""])
+def test_index_entry_that_names_no_file_is_refused(target: str, tmp_path: Path) -> None:
+    """weight_map "." was a raw IsADirectoryError on first read."""
+    root = copy_checkpoint(tmp_path / "ckpt")
+    edit_index(root, lambda m: m.__setitem__(WQ_A, target))
+    with pytest.raises(CheckpointError) as e:
+        CheckpointReader(root)
+    assert f"{root / INDEX}: weight_map maps tensor '{WQ_A}' to {target!r}" in str(e.value)
+
+
+def test_index_entry_that_is_a_directory(tmp_path: Path) -> None:
+    root = copy_checkpoint(tmp_path / "ckpt")
+    (root / "sub").mkdir()
+    edit_index(root, lambda m: m.__setitem__(WQ_A, "sub"))
+    with CheckpointReader(root) as r, pytest.raises(CheckpointError) as e:
+        r.spec(WQ_A)
+    assert f"cannot read tensor '{WQ_A}': {root / 'sub'}: is a directory" in str(e.value)
+
+
+def test_unreadable_shard_names_the_file(tmp_path: Path) -> None:
+    from dsv4cp.checkpoint.header import read_header
+
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: is a directory, not a shard file"):
+        read_header(tmp_path)
+
+
 def test_index_points_to_a_shard_without_the_tensor(tmp_path: Path) -> None:
     root = copy_checkpoint(tmp_path / "ckpt")
     other = shard_of(root, "head.weight").name

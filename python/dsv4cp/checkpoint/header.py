@@ -75,6 +75,10 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
             text = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file is missing") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a shard file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the shard ({e.strerror or e})") from None
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

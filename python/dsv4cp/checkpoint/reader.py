@@ -173,9 +173,11 @@ def _read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(
             f"{path}: not a safetensors index with a weight_map ({e!r})"
         ) from None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", "..")
-        for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict):
         raise CheckpointError(f"{path}: weight_map must map tensor names to shard file names")
+    for k, v in weight_map.items():
+        if not (isinstance(v, str) and "/" not in v and v not in ("", ".", "..")):
+            raise CheckpointError(
+                f"{path}: weight_map maps tensor {k!r} to {v!r}, not a shard file name"
+            )
     return weight_map
