@@ -3,7 +3,9 @@
 What is read: every tensor the model holds (`DeepseekV41Model.checkpoint_weights`: embedding,
 final norm, head, and per block its norms, hyper-connections, attention, MoE and Engram
 projections), and each Engram layer's table, attached as a read-only memmap of its shard
-(`CheckpointReader.memmap`: only looked-up rows are ever read). What is skipped, by name and on
+(`CheckpointReader.memmap`: only looked-up rows are ever read), hashed through the checkpoint's
+tokenizer.json (loaded right after the name check, before any weight: a missing, corrupt or
+mismatched tokenizer is a `CheckpointError` naming the file). What is skipped, by name and on
 purpose, with one log line: the vision tower (`vision.*`, `aligner.*`, `image_*`, and each MoE
 gate's `gate.bias_vl`, the routing bias of image tokens) and the DSpark draft layers (`mtp.*`);
 with expert parallelism (docs/ep.md) the routed experts other ranks hold
@@ -238,13 +240,23 @@ def _engram_tables(
     return tables
 
 
-def _hasher(path: Path, model: DeepseekV41Model) -> NgramHasher:
+def _hasher(root: Path, model: DeepseekV41Model) -> NgramHasher:
+    """The Engram hasher from the checkpoint's tokenizer.json; a missing or unreadable file, or
+    one that does not fit the config, is a CheckpointError naming it."""
     from tokenizers import Tokenizer
 
-    file = path / TOKENIZER_FILE
+    file = root / TOKENIZER_FILE
     if not file.is_file():
         raise CheckpointError(f"{file}: Engram layers hash token ids through the tokenizer")
-    return NgramHasher.build(model.config, Tokenizer.from_file(str(file)))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        detail = " ".join(str(e).split())
+        raise CheckpointError(f"{file}: cannot load the tokenizer ({detail})") from None
+    try:
+        return NgramHasher.build(model.config, tokenizer)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def load_checkpoint(
@@ -271,6 +283,9 @@ def load_checkpoint(
         ]
         if parts:
             say(f"dsv4cp: skipping {' and '.join(parts)}: text prefill does not read them")
+        # the tokenizer before any weight: a bad tokenizer.json is found in seconds, not after
+        # every block has loaded
+        hasher = _hasher(reader.root, model) if model.engram_layers else None
         slots = model.checkpoint_weights()
         top = {n: slots[n] for n in ("embed.weight", "norm.weight", "head.weight")}
         _load_group(reader, top, report)
@@ -282,9 +297,9 @@ def load_checkpoint(
                 f"dsv4cp: loaded block {block.layer + 1}/{n_blocks} "
                 f"({report.loaded} tensors, {time.perf_counter() - t0:.1f} s)"
             )
-        if model.engram_layers:
+        if hasher is not None:
             tables = _engram_tables(reader, model, report)
-            model.attach_engram(_hasher(path, model), tables)
+            model.attach_engram(hasher, tables)
     if scope != "off":
         report.kept_bf16_bytes = model.keep_dequantized_weights(scope)
         say(

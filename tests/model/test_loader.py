@@ -145,6 +145,22 @@ def test_engram_needs_the_tokenizer(tmp_path) -> None:
         DeepseekV41Model.from_checkpoint(root, quant="none")
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"model": 3}'])
+def test_corrupt_tokenizer_names_the_file_before_any_weight_is_read(text: str, tmp_path) -> None:
+    """A corrupt tokenizer.json was a bare `Exception` naming no file, raised after every block
+    had loaded; it is now read right after the name checks (a missing shard is not reached)."""
+    root = _copy(tmp_path)
+    (root / "tokenizer.json").write_text(text)
+    shard_of(root, "norm.weight").unlink()  # the first weight read would fail on it
+    lines: list[str] = []
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(_fresh(), root, progress=lines.append)
+    msg = str(e.value)
+    assert msg.startswith(f"{root / 'tokenizer.json'}: cannot load the tokenizer (")
+    assert "\n" not in msg
+    assert not [line for line in lines if "loaded block" in line]
+
+
 def test_engram_model_without_tables_says_so() -> None:
     from dsv4cp.runner import PrefillRunner
 
