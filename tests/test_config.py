@@ -369,6 +369,25 @@ def test_bad_quantization_config_names_the_key() -> None:
             DeepseekV41Config.from_hf({**raw, "quantization_config": {**q, **change}})
 
 
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"weight_block_size": [128, 128]}, r"weight_block_size: .*\[32, 32\].*got \[128, 128\]"),
+        ({"weight_block_size": [32, 64]}, r"weight_block_size: .*\[32, 32\].*got \[32, 64\]"),
+        ({"weight_block_size": [32.0, 32]}, "weight_block_size: must be two positive integers"),
+        ({"expert_dtype": None}, r"expert_dtype: must be one of \('fp4',\), got None"),
+        ({"expert_dtype": "fp8"}, r"expert_dtype: must be one of \('fp4',\), got 'fp8'"),
+    ],
+)
+def test_quantization_the_loader_cannot_read_is_refused(change: dict, message: str) -> None:
+    """The loader reads 32×32 block-scaled fp8 weights and fp4 experts only; other block sizes
+    and expert dtypes were accepted and would be read with the wrong scale layout."""
+    raw = json.loads(TINY_RELEASED.read_text())
+    q = raw["quantization_config"]
+    with pytest.raises(ValueError, match=f"quantization_config.{message}"):
+        DeepseekV41Config.from_hf({**raw, "quantization_config": {**q, **change}})
+
+
 def test_roles_module_is_the_config_roles() -> None:
     cfg = DeepseekV41Config.flash()
     roles = layer_roles(

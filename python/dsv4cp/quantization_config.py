@@ -6,7 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 SCALE_FORMATS = ("ue8m0",)
-EXPERT_DTYPES = ("fp4",)  # None: experts stored like the other weights
+# What the loader reads (checkpoint/formats.py): fp8 weights with one scale per 32×32 block, and
+# routed experts packed fp4. Other block sizes, or experts stored like the other weights
+# (expert_dtype null), would be read with the wrong scale layout: refused here.
+WEIGHT_BLOCK_SIZES = ((32, 32),)
+EXPERT_DTYPES = ("fp4",)
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,7 @@ class QuantizationConfig:
 
     weight_block_size: tuple[int, int] = (32, 32)
     scale_fmt: str = "ue8m0"
-    expert_dtype: str | None = "fp4"
+    expert_dtype: str = "fp4"
     quant_method: str = "fp8"
     activation_scheme: str = "dynamic"
 
@@ -32,9 +36,14 @@ class QuantizationConfig:
                 f"quantization_config.weight_block_size: must be two positive integers, got {b!r}"
             )
         object.__setattr__(self, "weight_block_size", tuple(b))
+        if tuple(b) not in WEIGHT_BLOCK_SIZES:
+            raise ValueError(
+                f"quantization_config.weight_block_size: dsv4cp reads fp8 weights with 32×32 "
+                f"scale blocks only ([32, 32]), got {list(b)}"
+            )
         for name, allowed in (
             ("scale_fmt", SCALE_FORMATS),
-            ("expert_dtype", EXPERT_DTYPES + (None,)),
+            ("expert_dtype", EXPERT_DTYPES),
             ("quant_method", ("fp8",)),
             ("activation_scheme", ("dynamic",)),
         ):
