@@ -9,6 +9,7 @@ replicated, so each rank's runner owns a full cache.
 from __future__ import annotations
 
 import itertools
+import operator
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -92,6 +93,18 @@ def _token_seq(rid: object, toks: object) -> list[object]:
         f"prefill: request {rid!r}: token ids must be a sequence of ints, got "
         f"{type(toks).__name__} {toks!r:.40}"
     )
+
+
+def _start_of(i: int, s: object) -> int | None:
+    """starts[i] as an int (numpy ints too) or None; ValueError for a bool, a float, a str."""
+    if s is None:
+        return None
+    if not isinstance(s, bool):
+        try:
+            return operator.index(s)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"prefill: starts[{i}] must be an int or None, got {s!r}")
 
 
 class PrefillRunner:
@@ -181,6 +194,7 @@ class PrefillRunner:
         starts = list(starts) if starts is not None else [None] * len(items)
         if len(starts) != len(items):
             raise ValueError("prefill: starts must have one entry per request")
+        starts = [_start_of(i, s) for i, s in enumerate(starts)]
         reservations, batch = self._reserve(items, starts)
         try:
             self._check_same_batch(batch)

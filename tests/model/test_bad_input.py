@@ -42,6 +42,18 @@ CASES = [
     ("negative token", lambda r: r.prefill({"a": [-1]}), ValueError, "token id -1"),
     ("no new tokens", lambda r: r.prefill({"a": []}), ValueError, "no new tokens"),
     (
+        "bool start",
+        lambda r: r.prefill({"a": [1]}, starts=[False]),
+        ValueError,
+        r"starts\[0\] must be an int",
+    ),
+    (
+        "float start",
+        lambda r: r.prefill({"a": [1]}, starts=[0.0]),
+        ValueError,
+        r"starts\[0\] must be an int",
+    ),
+    (
         "positions mismatch",
         lambda r: r.prefill({"a": [1, 2]}, starts=[7]),
         ValueError,

@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args.config)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+    if tokens > config.max_position_embeddings:
+        raise UsageError(
+            f"--tokens {tokens:,} is longer than the model's context (max_position_embeddings "
+            f"{config.max_position_embeddings:,})"
+        )
     plan = cache_bytes(
         config,
         tokens,
