@@ -350,6 +350,13 @@ class PrefillRunner:
         out = list(rids)
         if len(out) != n:
             raise ValueError(f"generate: {len(out)} rids for {n} prompts")
+        for i, r in enumerate(out):
+            try:
+                hash(r)
+            except TypeError:
+                raise ValueError(
+                    f"generate: rid {i} ({r!r}) is not hashable: a request id is a dict key"
+                ) from None
         busy = [r for r in out if r in live]
         if busy:
             raise ValueError(

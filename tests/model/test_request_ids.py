@@ -38,6 +38,8 @@ def test_generate_skips_and_refuses_live_ids(model: DeepseekV41Model) -> None:
         r.generate([PROMPT], 3, rids=["gen0"])
     with pytest.raises(ValueError, match="2 rids for 1 prompts"):
         r.generate([PROMPT], 3, rids=["x", "y"])
+    with pytest.raises(ValueError, match=r"rid 0 \(\['x'\]\) is not hashable"):
+        r.generate([PROMPT], 3, rids=[["x"]])
     assert set(r.alloc.requests) == {"gen0"}
 
 
