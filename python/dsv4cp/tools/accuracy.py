@@ -161,7 +161,6 @@ class Reference:
 
         from dsv4cp.config import DeepseekV41Config
         from dsv4cp.model import DeepseekV41Model, default_quant
-        from dsv4cp.ops import check_quant_mode
 
         self.torch = torch
         released = checkpoint_format(model_path) == "released"
@@ -170,10 +169,15 @@ class Reference:
         if quant == "auto":
             quant = default_quant(DeepseekV41Config.from_hf(model_path))
         self.dtype, self.quant = dtype, quant
-        load = DeepseekV41Model.from_checkpoint if released else DeepseekV41Model.from_pretrained
-        self.model = load(
-            model_path, quant=check_quant_mode(quant), dtype=getattr(torch, dtype), device="cpu"
-        )
+        if released:
+            self.model = DeepseekV41Model.from_checkpoint(
+                model_path, quant=quant, dtype=getattr(torch, dtype), device="cpu"
+            )
+        else:  # its own numerics (default_quant), then the one asked for (checked there)
+            self.model = DeepseekV41Model.from_pretrained(
+                model_path, dtype=getattr(torch, dtype), device="cpu"
+            )
+            self.model.set_quant(quant)
         self.context = int(self.model.config.max_position_embeddings)
 
     def logprobs(self, prompt: list[int], forced: list[int]) -> tuple[Tensor, Tensor]:
