@@ -9,7 +9,6 @@ reference, outputs that cannot be written.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -220,35 +219,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-EXPORT_MODEL_TYPE = "dsv4cp_v41"  # dsv4cp.integrations.sglang.MODEL_TYPE (export-tiny)
-
-
-def check_released_checkpoint(path: str) -> None:
-    """--checkpoint reads released-format checkpoints: a dsv4cp export (`export-tiny`,
-    `save_pretrained`: no `.scale` tensors, another config layout) is a UsageError saying so,
-    before its weights are tried. An unreadable config.json is left to `DeepseekV41Config`."""
-    try:
-        with open(Path(path) / "config.json") as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(raw, dict) and raw.get("model_type") == EXPORT_MODEL_TYPE:
-        raise UsageError(
-            f"{path} is a dsv4cp export (config.json model_type {EXPORT_MODEL_TYPE!r}); "
-            "--checkpoint reads released-format DeepSeek-V4.1 checkpoints "
-            "(model_type 'deepseek_v41')"
-        )
-
-
 def scenario_from_args(args: argparse.Namespace, prefix: Sequence[int] | None = None) -> Scenario:
     """The `check` / `demo` scenario of the parsed flags (`prefix` overrides --prefix); a bad
-    value, an unreadable checkpoint config or a dsv4cp export given as --checkpoint is a
-    UsageError. (The weights load later, in `run_scenario`: a `CheckpointError` there is
-    reported as one line too, by `cli.main`.)"""
+    value, an unreadable checkpoint config or a dsv4cp export given as --checkpoint
+    (`Scenario`'s ValueErrors) is a UsageError. (The weights load later, in `run_scenario`: a
+    `CheckpointError` there is reported as one line too, by `cli.main`.)"""
     from dsv4cp.tools.checking import Scenario
 
-    if args.checkpoint is not None:
-        check_released_checkpoint(args.checkpoint)
     try:
         return Scenario(
             lens=args.lens,

@@ -15,10 +15,12 @@ need not match).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,25 @@ from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.model import DeepseekV41Model
 from dsv4cp.observe.timing import StageTimer
 from dsv4cp.runner import PrefillRunner
+
+
+def _refuse_an_export(path: str) -> None:
+    """A checkpoint is released-format: a dsv4cp export (`export-tiny`: no `.scale` tensors,
+    another config layout) is a ValueError saying so, before its weights are tried. An
+    unreadable config.json is left to `DeepseekV41Config.from_hf`."""
+    from dsv4cp.integrations.sglang import MODEL_TYPE
+
+    try:
+        with open(Path(path) / "config.json") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE:
+        raise ValueError(
+            f"{path} is a dsv4cp export (config.json model_type {MODEL_TYPE!r}); "
+            "--checkpoint reads released-format DeepSeek-V4.1 checkpoints "
+            "(model_type 'deepseek_v41')"
+        )
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,7 @@ class Scenario:
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None:
+            _refuse_an_export(self.checkpoint)
             object.__setattr__(self, "config", DeepseekV41Config.from_hf(self.checkpoint))
         if not self.lens or any(n < 1 for n in self.lens):
             raise ValueError(f"lens must be positive integers, got {list(self.lens)}")
