@@ -71,14 +71,21 @@ def _request_pair(i: int, item: object) -> tuple[object, object]:
             "(a list of prompts needs ids: pass a mapping rid → token ids, or use generate)"
         )
     rid, toks = item
-    try:
-        hash(rid)
-    except TypeError:
+    if not _hashable(rid):
         raise ValueError(
             f"prefill: request {i} has rid {rid!r} of type {type(rid).__name__}, which is not "
             "hashable; request ids must be hashable (str, int, tuple, ...)"
-        ) from None
+        )
     return rid, toks
+
+
+def _hashable(rid: object) -> bool:
+    """Whether `rid` can key the allocator's table of requests."""
+    try:
+        hash(rid)
+    except TypeError:
+        return False
+    return True
 
 
 def _token_seq(rid: object, toks: object) -> list[object]:
@@ -351,12 +358,10 @@ class PrefillRunner:
         if len(out) != n:
             raise ValueError(f"generate: {len(out)} rids for {n} prompts")
         for i, r in enumerate(out):
-            try:
-                hash(r)
-            except TypeError:
+            if not _hashable(r):
                 raise ValueError(
                     f"generate: rid {i} ({r!r}) is not hashable: a request id is a dict key"
-                ) from None
+                )
         busy = [r for r in out if r in live]
         if busy:
             raise ValueError(
