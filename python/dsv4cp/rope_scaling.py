@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4cp.config_fields import is_finite_number
+
 _HF_NAMES = (
     ("factor", "factor"),
     ("original_max_position", "original_max_position_embeddings"),
@@ -13,13 +15,6 @@ _HF_NAMES = (
     ("beta_slow", "beta_slow"),
 )
 _DEFAULT_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # the reference ModelArgs' defaults
-
-
-def _finite(v: int | float) -> bool:
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:  # an int beyond float range
-        return False
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,7 @@ class YarnScaling:
         # accepted, as in DeepSeek's yarn code.
         for name, key in _HF_NAMES:
             v = values[name]
-            if name != "original_max_position" and not (_finite(v) and v > 0):
+            if name != "original_max_position" and not (is_finite_number(v) and v > 0):
                 raise ValueError(f"rope_scaling.{key}: must be a positive finite number, got {v!r}")
         omp = values["original_max_position"]
         if not isinstance(omp, int) or omp <= 0:
@@ -66,7 +61,7 @@ class YarnScaling:
             )
         for key in ("beta_fast", "beta_slow"):  # a subnormal beta or a huge omp overflows it
             try:
-                ok = _finite(omp / (2 * math.pi * values[key]))
+                ok = is_finite_number(omp / (2 * math.pi * values[key]))
             except OverflowError:
                 ok = False
             if not ok:
