@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 from dataclasses import MISSING, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from dsv4cp import config_presets
 from dsv4cp.config_fields import (
@@ -36,6 +36,48 @@ from dsv4cp.rope_scaling import YarnScaling
 
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # the reference's ModelArgs.score_func
 ACTIVATIONS = ("silu",)
+
+# config.json's top-level `model_type` says what a checkpoint directory holds: a released
+# DeepSeek-V4.1 checkpoint (fp8/fp4 storage with `.scale` tensors, sharded; `from_checkpoint`)
+# or a dsv4cp export (the model's own storage in one file; `save_pretrained`, `export-tiny`,
+# `from_pretrained`). The export's type differs from upstream's on purpose (also for SGLang:
+# integrations/sglang/__init__.py).
+UPSTREAM_MODEL_TYPE = "deepseek_v41"
+EXPORT_MODEL_TYPE = "dsv4cp_v41"
+ARCHITECTURE = "DeepseekV41ForCausalLM"
+CheckpointKind = Literal["released", "export"]
+
+
+def read_config_json(source: str | os.PathLike[str]) -> Any:
+    """The parsed config.json of a directory (or the file itself); FileNotFoundError when there
+    is none, ValueError naming the file when it is not JSON."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def checkpoint_kind(path: str | os.PathLike[str]) -> CheckpointKind:
+    """ "released" (model_type `deepseek_v41`) or "export" (`dsv4cp_v41`) for a checkpoint
+    directory; ValueError naming the directory for any other config.json."""
+    raw = read_config_json(path)
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type == UPSTREAM_MODEL_TYPE:
+        return "released"
+    if model_type == EXPORT_MODEL_TYPE:
+        return "export"
+    raise ValueError(
+        f"{os.fspath(path)}: config.json model_type {model_type!r} is neither a released "
+        f"DeepSeek-V4.1 checkpoint ({UPSTREAM_MODEL_TYPE!r}) nor a dsv4cp export "
+        f"({EXPORT_MODEL_TYPE!r})"
+    )
+
 
 # Parsed and validated, not used by dsv4cp yet: text prefill runs no DSpark draft (MTP) layers
 # and no vision tower.
@@ -286,19 +328,7 @@ class DeepseekV41Config:
     def from_hf(cls, source: str | os.PathLike[str] | dict[str, Any]) -> DeepseekV41Config:
         """Read a V4.1 config.json: a dict, a file or a directory; `text_config` nested or flat.
         Unknown `text_config` keys are kept in `extra` (and written back by `to_hf`)."""
-        if isinstance(source, dict):
-            raw = dict(source)
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no config.json at {path}")
-            with open(path) as f:
-                try:
-                    raw = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raw = dict(source) if isinstance(source, dict) else read_config_json(source)
         if not isinstance(raw, dict):
             raise ValueError(
                 f"DeepseekV41Config: config.json must hold a JSON object, got {type(raw).__name__}"
@@ -329,8 +359,8 @@ class DeepseekV41Config:
             text["rope_scaling"] = self.rope_scaling.to_hf()
         text["model_type"] = "deepseek_v41_text"
         out: dict[str, Any] = {
-            "architectures": ["DeepseekV41ForCausalLM"],
-            "model_type": "deepseek_v41",
+            "architectures": [ARCHITECTURE],
+            "model_type": UPSTREAM_MODEL_TYPE,
             "text_config": text,
         }
         if self.quantization is not None:

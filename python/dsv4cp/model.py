@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4cp.config import DeepseekV41Config
+from dsv4cp.checkpoint.errors import CheckpointError
+from dsv4cp.config import EXPORT_MODEL_TYPE, DeepseekV41Config, checkpoint_kind
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, gather_global
 from dsv4cp.executors import SERIAL_ONLY, LayerExecutors
@@ -224,7 +225,7 @@ class DeepseekV41Model(nn.Module):
             raise ValueError("save_pretrained: an expert-parallel model holds only its experts")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(self.config.to_hf(), f, indent=2)
+            json.dump({**self.config.to_hf(), "model_type": EXPORT_MODEL_TYPE}, f, indent=2)
         tensors = {k: v.detach().cpu().clone() for k, v in self.checkpoint_weights().items()}
         save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
 
@@ -264,6 +265,11 @@ class DeepseekV41Model(nn.Module):
         server's default), so a saved qat model reloads as qat."""
         from safetensors.torch import load_file
 
+        if checkpoint_kind(path) != "export":
+            raise ValueError(
+                f"from_pretrained: {os.fspath(path)} is a released DeepSeek-V4.1 checkpoint "
+                "(config.json model_type 'deepseek_v41'); load it with from_checkpoint"
+            )
         config = DeepseekV41Config.from_hf(path)
         mode = default_quant(config) if quant is None else quant
         model = cls(config, dtype=dtype, device=device, seed=None, quant=mode)
@@ -284,6 +290,15 @@ class DeepseekV41Model(nn.Module):
         with `ep` only this rank's experts are read."""
         from dsv4cp.loader import load_checkpoint
 
+        try:
+            kind = checkpoint_kind(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        if kind != "released":
+            raise CheckpointError(
+                f"{os.fspath(path)} is a dsv4cp export (config.json model_type "
+                f"{EXPORT_MODEL_TYPE!r}); load it with from_pretrained"
+            )
         config = DeepseekV41Config.from_hf(path)
         model = cls(config, dtype=dtype, device=device, seed=None, quant=quant, ep=ep)
         load_checkpoint(model, Path(path))

@@ -78,3 +78,39 @@ def test_qat_export_reloads_as_qat(tmp_path: Path) -> None:
     dense = tmp_path / "dense"
     DeepseekV41Model(DeepseekV41Config.tiny(), seed=0).save_pretrained(dense)
     assert DeepseekV41Model.from_pretrained(dense).quant == "none"
+
+
+def test_an_export_and_a_released_checkpoint_are_told_apart(tmp_path: Path) -> None:
+    """config.json's model_type names the kind: an export loads only with from_pretrained, a
+    released checkpoint only with from_checkpoint, and `accuracy`'s Reference picks the loader
+    by it (it took a save_pretrained export, then model_type deepseek_v41, for a released one
+    and failed on the missing `.scale` tensors)."""
+    from dsv4cp.checkpoint import CheckpointError
+    from dsv4cp.config import checkpoint_kind
+    from dsv4cp.tools.accuracy import Reference
+
+    export = tmp_path / "export"
+    DeepseekV41Model(DeepseekV41Config.tiny(), seed=0).save_pretrained(export)
+    assert json.loads((export / "config.json").read_text())["model_type"] == "dsv4cp_v41"
+    assert checkpoint_kind(export) == "export"
+    with pytest.raises(CheckpointError, match="dsv4cp export.*from_pretrained"):
+        DeepseekV41Model.from_checkpoint(export, quant="none")
+    assert Reference(export).model.quant == "none"
+
+    released = tmp_path / "released"
+    released.mkdir()
+    (released / "config.json").write_text(json.dumps(DeepseekV41Config.tiny().to_hf()))
+    assert checkpoint_kind(released) == "released"
+    with pytest.raises(ValueError, match="released DeepSeek-V4.1 checkpoint.*from_checkpoint"):
+        DeepseekV41Model.from_pretrained(released)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="'llama' is neither"):
+        checkpoint_kind(other)
+    with pytest.raises(CheckpointError, match="'llama' is neither"):
+        DeepseekV41Model.from_checkpoint(other)
+    (other / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        checkpoint_kind(other)

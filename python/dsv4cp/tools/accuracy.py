@@ -135,17 +135,6 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
     return Tokenizer.from_file(str(path))
 
 
-def checkpoint_format(model_path: str | os.PathLike[str]) -> str:
-    """ "released" for a released-format DeepSeek-V4.1 directory (`model_type: deepseek_v41`),
-    "export" for dsv4cp's own export (`save_pretrained`, `export-tiny`)."""
-    cfg = Path(model_path) / "config.json"
-    if not cfg.is_file():
-        raise FileNotFoundError(f"no config.json in {model_path}")
-    with open(cfg) as f:
-        raw = json.load(f)
-    return "released" if raw.get("model_type") == "deepseek_v41" else "export"
-
-
 class Reference:
     """dsv4cp's runner on the checkpoint; one fresh request per prompt, teacher-forced.
 
@@ -159,11 +148,11 @@ class Reference:
     ) -> None:
         import torch
 
-        from dsv4cp.config import DeepseekV41Config
+        from dsv4cp.config import DeepseekV41Config, checkpoint_kind
         from dsv4cp.model import DeepseekV41Model, default_quant
 
         self.torch = torch
-        released = checkpoint_format(model_path) == "released"
+        released = checkpoint_kind(model_path) == "released"
         if dtype == "auto":
             dtype = "bfloat16" if released else "float32"
         if quant == "auto":

@@ -15,18 +15,21 @@ need not match).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dsv4cp.config import DeepseekV41Config
+from dsv4cp.config import (
+    EXPORT_MODEL_TYPE,
+    UPSTREAM_MODEL_TYPE,
+    DeepseekV41Config,
+    read_config_json,
+)
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
 from dsv4cp.graphs.runner import GraphConfig
@@ -39,18 +42,15 @@ def _refuse_an_export(path: str) -> None:
     """A checkpoint is released-format: a dsv4cp export (`export-tiny`: no `.scale` tensors,
     another config layout) is a ValueError saying so, before its weights are tried. An
     unreadable config.json is left to `DeepseekV41Config.from_hf`."""
-    from dsv4cp.integrations.sglang import MODEL_TYPE
-
     try:
-        with open(Path(path) / "config.json") as f:
-            raw = json.load(f)
+        raw = read_config_json(path)
     except (OSError, ValueError):
         return
-    if isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE:
+    if isinstance(raw, dict) and raw.get("model_type") == EXPORT_MODEL_TYPE:
         raise ValueError(
-            f"{path} is a dsv4cp export (config.json model_type {MODEL_TYPE!r}); "
+            f"{path} is a dsv4cp export (config.json model_type {EXPORT_MODEL_TYPE!r}); "
             "--checkpoint reads released-format DeepSeek-V4.1 checkpoints "
-            "(model_type 'deepseek_v41')"
+            f"(model_type {UPSTREAM_MODEL_TYPE!r})"
         )
 
 

@@ -16,12 +16,13 @@ Nothing here imports sglang at package import time.
 
 from __future__ import annotations
 
+from dsv4cp.config import ARCHITECTURE, EXPORT_MODEL_TYPE
+
 # A dsv4cp-served model's top-level `model_type` (an export's, and what `--model-impl dsv4cp`
 # makes of an upstream config). It differs from upstream's "deepseek_v41" on purpose: SGLang
 # rewrites that one to its own DeepseekV4ForCausalLM (configs/deepseek_v41.py) and applies
 # V4-only defaults (dsv4 backend, page 256), which a dsv4cp-served model must avoid.
-MODEL_TYPE = "dsv4cp_v41"
-ARCHITECTURE = "DeepseekV41ForCausalLM"
+MODEL_TYPE = EXPORT_MODEL_TYPE
 PACKAGE = __name__
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "PACKAGE"]

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4cp.config import UPSTREAM_MODEL_TYPE
 from dsv4cp.integrations.sglang import MODEL_TYPE
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
 
 MODEL_IMPL = "dsv4cp"
 CONFIG_PARSER = "dsv4cp"  # the model-config parser --model-impl dsv4cp selects (config_parser.py)
-UPSTREAM_MODEL_TYPE = "deepseek_v41"
 # SGLang's attention backend is built but never called by dsv4cp's layers; torch_native plans
 # nothing per batch, and SGLang turns its CUDA graphs off for it (they cannot record the
 # model's host-side metadata).
