@@ -97,12 +97,9 @@ def write_tokenizer(path: str | os.PathLike[str], vocab_size: int, model_max_len
 
 
 def serving_config(hf: dict, config: DeepseekV41Config, dtype: str) -> dict:
-    """The model's HF config plus what a server needs: the dsv4cp model type, dtype, token ids."""
-    from dsv4cp.integrations.sglang import ARCHITECTURE, MODEL_TYPE
-
+    """An export's HF config (`save_pretrained`'s: the dsv4cp model type) plus what a server
+    needs: dtype, token ids."""
     out = dict(hf)
-    out["architectures"] = [ARCHITECTURE]
-    out["model_type"] = MODEL_TYPE
     out["torch_dtype"] = dtype
     out.update(token_ids(config.vocab_size))
     return out
