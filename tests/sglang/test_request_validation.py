@@ -27,6 +27,7 @@ def _item(**fields: object) -> SimpleNamespace:
         logprob_start_len=-1,
         top_logprobs_num=0,
         token_ids_logprob=None,
+        sampling_params={"max_new_tokens": 4},
         session_id=None,
         session_params=None,
         extra_key=None,
@@ -62,6 +63,13 @@ def test_valid_requests_pass() -> None:
             routed_dp_rank=0,
             image_data=[None],
             session_params={"id": "s"},
+            token_ids_logprob=[0, VOCAB - 1],
+            sampling_params={
+                "stop_token_ids": [0, VOCAB - 1, None],
+                "min_new_tokens": 2,
+                "top_k": 2**31 - 1,
+                "logit_bias": {"9": 1e30, "3": -1e30, "4": 0},
+            },
         ),
         [0, VOCAB - 1],
         vocab_size=VOCAB,
@@ -109,6 +117,45 @@ def test_bad_field_is_refused_by_name(fields: dict, match: str) -> None:
 def test_prompt_tokens_must_be_vocabulary_ids(ids: list) -> None:
     with pytest.raises(ValueError, match="prompt has no tokens|outside the vocabulary"):
         validate_generate_request(_item(), ids, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        # SGLang's HTTP schema refuses a bool here, its tokenizer manager counts it as an int
+        ({"token_ids_logprob": [True]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [VOCAB]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [-1]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [[1]]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [1.0]}, "token_ids_logprob"),
+        ({"token_ids_logprob": 5}, "token_ids_logprob"),
+        # killed the scheduler with min_new_tokens > 0 (the min-new-tokens penalizer's scatter)
+        ({"stop_token_ids": [VOCAB + 88], "min_new_tokens": 2}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        # killed the scheduler (top-k held as int32)
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 3e9}, "top_k"),
+        # an infinite bias (1e39 in float32) sampled token 0 with NaN logprobs
+        ({"logit_bias": {"9": 1e39}}, "logit_bias"),
+        ({"logit_bias": {"9": float("inf")}}, "logit_bias"),
+        ({"logit_bias": {"9": float("-inf")}}, "logit_bias"),
+        ({"logit_bias": {"9": float("nan")}}, "logit_bias"),
+        ({"logit_bias": {"9": -1e31}}, "logit_bias"),
+        ({"logit_bias": {"9": "1"}}, "logit_bias"),
+        ({"logit_bias": {"9": True}}, "logit_bias"),
+    ],
+)
+def test_bad_logprob_or_sampling_field_is_refused(fields: dict, match: str) -> None:
+    tids = {k: v for k, v in fields.items() if k == "token_ids_logprob"}
+    params = {k: v for k, v in fields.items() if k != "token_ids_logprob"}
+    item = _item(sampling_params={"max_new_tokens": 4, **params}, **tids)
+    with pytest.raises(ValueError, match=match):
+        validate_generate_request(item, [1, 2], vocab_size=VOCAB)
 
 
 def test_input_embeds_without_ids_is_refused() -> None:

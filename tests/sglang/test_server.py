@@ -2,7 +2,7 @@
 
 Checks greedy output against dsv4cp's own runner (lengths across the chunked-prefill size, a
 radix-cache hit), 32 concurrent requests with shared prefixes against the same requests sent
-alone, malformed requests (4xx, among them the two that killed SGLang 0.5.23's scheduler; the
+alone, malformed requests (4xx, among them those that killed SGLang 0.5.23's scheduler; the
 server keeps answering identically), `dsv4cp accuracy`, clean shutdown on SIGTERM and SIGINT,
 and unsupported flags refused at startup in one line (on the released-format fixture with
 `--model-impl dsv4cp`; that checkpoint's serving tests are in test_released.py).
@@ -274,6 +274,11 @@ def _still_serving(server: Server, baseline: list[int]) -> None:
 GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
 
 
+def _gen_with(**sampling: object) -> dict:
+    """GEN with `sampling` added to its sampling_params."""
+    return {**GEN, "sampling_params": {**GEN["sampling_params"], **sampling}}
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -289,6 +294,10 @@ GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
         {**GEN, "return_logprob": True, "logprob_start_len": -5},
         {**GEN, "return_logprob": True, "top_logprobs_num": 1_000_000},
         {**GEN, "return_logprob": True, "logprob_start_len": [0]},
+        _gen_with(min_new_tokens=2, stop_token_ids=[600]),
+        _gen_with(top_k=2**31),
+        # Sampled token 0 at every step before dsv4cp's checks (1e39 is infinite in float32):
+        _gen_with(logit_bias={"9": 1e39}),
         # 500 before dsv4cp's checks:
         {**GEN, "rid": ["a", "b"]},
         # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
@@ -308,6 +317,9 @@ GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
         "logprob-start-below-minus-one",
         "top-logprobs-above-vocab",
         "logprob-start-list",
+        "stop-token-oov-min-new",
+        "top-k-above-int32",
+        "logit-bias-overflow",
         "rid-list-single-prompt",
         "top-logprobs-negative",
         "image-data",

@@ -2,14 +2,22 @@
 
 `validate_generate_request` runs in the tokenizer manager on each single request (a batch is
 split into items first), before anything reaches the scheduler; its ValueError becomes HTTP 400.
-Two classes of defect are covered:
+Three classes of defect are covered:
 
 - a per-request field of the wrong type or out of range that SGLang forwards unchecked and its
   scheduler then fails on, which kills the scheduler and with it the server: `logprob_start_len`
   below -1 or not an int (a list for a single request), `top_logprobs_num` above the vocabulary
-  or negative, token ids outside the vocabulary, a prompt with no tokens; or that fails in the
-  tokenizer manager with a 500 (`rid` a list for a single prompt: `validate_request_ids`, run
-  after batch normalisation, before SGLang files the request under its id);
+  or negative, token ids outside the vocabulary, a prompt with no tokens, `stop_token_ids`
+  outside the vocabulary (with `min_new_tokens` > 0 the min-new-tokens penalizer scatters them
+  into a vocabulary-wide row: index out of bounds), `top_k` above int32 (the sampling batch
+  holds top-k as int32: overflow); or that fails in the tokenizer manager with a 500 (`rid` a
+  list for a single prompt: `validate_request_ids`, run after batch normalisation, before SGLang
+  files the request under its id);
+- a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
+  within ±1e30 (an infinite bias, e.g. 1e39 in float32, turns a sampled row's probabilities to
+  NaN and the sampler returns token 0), a bool in `token_ids_logprob` (read as token 0 or 1:
+  SGLang's HTTP schema refuses bools, its tokenizer manager's check, which Python `Engine`
+  callers meet alone, counts them as ints);
 - a field SGLang accepts but a dsv4cp-served model cannot honour, which would be ignored
   silently: `input_embeds` (the model embeds token ids itself), multimodal data, positional
   embedding overrides, LoRA adapters, routed-expert or indexer top-k returns.
@@ -20,6 +28,8 @@ Pure: reads attributes of SGLang's `GenerateReqInput` item, imports nothing from
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from dsv4cp.config_fields import is_finite_number
 
 __all__ = ["validate_generate_request", "validate_request_ids"]
 
@@ -71,6 +81,12 @@ _UNSUPPORTED: tuple[tuple[str, str], ...] = (
 )
 
 
+_INT32_MAX = 2**31 - 1
+# |bias| / temperature stays finite in float32 for every sampled temperature (>= 1e-6; below
+# that SGLang samples greedily): 1e30 / 1e-6 = 1e36 < 3.4e38.
+_LOGIT_BIAS_LIMIT = 1e30
+
+
 def _present(v: object) -> bool:
     if v is None or v is False:
         return False
@@ -100,6 +116,8 @@ def validate_generate_request(
             f"top_logprobs_num must be an integer in [0, {vocab_size}] (the vocabulary), "
             f"got {top!r}"
         )
+    _check_token_ids_logprob(getattr(obj, "token_ids_logprob", None), vocab_size)
+    _check_sampling_params(getattr(obj, "sampling_params", None), vocab_size)
     if input_ids is None:
         return
     if len(input_ids) == 0:  # e.g. text "": an empty extend would reach the model
@@ -107,6 +125,50 @@ def validate_generate_request(
     bad = next((t for t in input_ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
     if bad is not None:
         raise ValueError(f"input token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def _in_vocab(t: object, vocab_size: int) -> bool:
+    return _is_int(t) and 0 <= t < vocab_size  # type: ignore[operator]
+
+
+def _check_token_ids_logprob(ids: object, vocab_size: int) -> None:
+    """One item's `token_ids_logprob`: None or a flat list of vocabulary ids (not bools)."""
+    if ids is None:
+        return
+    if not isinstance(ids, list):
+        raise ValueError(f"token_ids_logprob must be a list of token ids, got {ids!r}")
+    bad = [t for t in ids if not _in_vocab(t, vocab_size)]
+    if bad:
+        raise ValueError(
+            f"token_ids_logprob: {bad[0]!r} is not a token id in the vocabulary [0, {vocab_size})"
+        )
+
+
+def _check_sampling_params(params: object, vocab_size: int) -> None:
+    """The `sampling_params` dict of one item: what SGLang's SamplingParams.verify misses."""
+    if not isinstance(params, dict):
+        return
+    stop = params.get("stop_token_ids")
+    if stop is not None:
+        if not isinstance(stop, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop!r}")
+        # None entries are dropped by SGLang's SamplingParams
+        bad = [t for t in stop if t is not None and not _in_vocab(t, vocab_size)]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: {bad[0]!r} is not a token id in the vocabulary [0, {vocab_size})"
+            )
+    top_k = params.get("top_k")
+    if isinstance(top_k, (int, float)) and not isinstance(top_k, bool) and top_k > _INT32_MAX:
+        raise ValueError(f"top_k must be at most {_INT32_MAX} (-1: no top-k), got {top_k!r}")
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):
+        for key, value in bias.items():
+            if not (is_finite_number(value) and abs(value) <= _LOGIT_BIAS_LIMIT):
+                raise ValueError(
+                    f"logit_bias[{key!r}] must be a number in [-{_LOGIT_BIAS_LIMIT:g}, "
+                    f"{_LOGIT_BIAS_LIMIT:g}], got {value!r}"
+                )
 
 
 def validate_request_ids(obj: object) -> None:
