@@ -171,3 +171,29 @@ def test_request_ids_match_the_request_shape() -> None:
             validate_request_ids(obj)
     with pytest.raises(ValueError, match="list of strings"):
         validate_request_ids(_item(rid=["a", 3], is_single=False))
+
+
+@pytest.mark.parametrize(
+    "name", ["sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"]
+)
+def test_batch_per_item_lists_cover_the_batch(name: str) -> None:
+    """A per-item list shorter than the batch: SGLang's item split raised IndexError (500)."""
+    full = dict(
+        rid=["a", "b"],
+        is_single=False,
+        sampling_params=[{}, {}],
+        return_logprob=[True, True],
+        logprob_start_len=[-1, -1],
+        top_logprobs_num=[0, 0],
+        token_ids_logprob=[[1], [2]],
+    )
+    validate_request_ids(_item(**full))
+    validate_request_ids(_item(**{**full, name: full[name] + full[name]}))  # longer: SGLang's
+    with pytest.raises(ValueError, match=f"{name} has 1 entries for a batch of 2"):
+        validate_request_ids(_item(**{**full, name: full[name][:1]}))
+
+
+def test_batch_token_ids_logprob_covers_the_batch() -> None:
+    item = _item(rid=["a", "b"], is_single=False, token_ids_logprob=[[1]])
+    with pytest.raises(ValueError, match="token_ids_logprob has 1 entries for a batch of 2"):
+        validate_request_ids(item)

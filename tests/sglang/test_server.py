@@ -300,6 +300,7 @@ def _gen_with(**sampling: object) -> dict:
         _gen_with(logit_bias={"9": 1e39}),
         # 500 before dsv4cp's checks:
         {**GEN, "rid": ["a", "b"]},
+        {"input_ids": [[5, 6], [7, 8]], "token_ids_logprob": [[1]], "return_logprob": True},
         # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
         {**GEN, "return_logprob": True, "top_logprobs_num": -1},
         {**GEN, "image_data": "http://127.0.0.1:1/x.png"},
@@ -321,6 +322,7 @@ def _gen_with(**sampling: object) -> dict:
         "top-k-above-int32",
         "logit-bias-overflow",
         "rid-list-single-prompt",
+        "batch-token-ids-logprob-short",
         "top-logprobs-negative",
         "image-data",
         "routed-experts",

@@ -11,8 +11,9 @@ Three classes of defect are covered:
   outside the vocabulary (with `min_new_tokens` > 0 the min-new-tokens penalizer scatters them
   into a vocabulary-wide row: index out of bounds), `top_k` above int32 (the sampling batch
   holds top-k as int32: overflow); or that fails in the tokenizer manager with a 500 (`rid` a
-  list for a single prompt: `validate_request_ids`, run after batch normalisation, before SGLang
-  files the request under its id);
+  list for a single prompt, a per-item list of a batch shorter than the batch:
+  `validate_request_ids`, run after batch normalisation, before SGLang splits the batch and
+  files the items under their ids);
 - a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
   within ±1e30 (an infinite bias, e.g. 1e39 in float32, turns a sampled row's probabilities to
   NaN and the sampler returns token 0), a bool in `token_ids_logprob` (read as token 0 or 1:
@@ -81,6 +82,15 @@ _UNSUPPORTED: tuple[tuple[str, str], ...] = (
 )
 
 
+# Fields a batch holds one entry per item of after SGLang's normalisation; a shorter list makes
+# SGLang's item split (GenerateReqInput.__getitem__) fail with an IndexError (HTTP 500).
+_PER_ITEM: tuple[str, ...] = (
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+)
 _INT32_MAX = 2**31 - 1
 # |bias| / temperature stays finite in float32 for every sampled temperature (>= 1e-6; below
 # that SGLang samples greedily): 1e30 / 1e-6 = 1e36 < 3.4e38.
@@ -172,10 +182,19 @@ def _check_sampling_params(params: object, vocab_size: int) -> None:
 
 
 def validate_request_ids(obj: object) -> None:
-    """`rid` of a normalised request: a string for a single prompt, strings for a batch."""
+    """`rid` of a normalised request: a string for a single prompt, strings for a batch; in a
+    batch, every per-item list at least as long as the batch."""
     rid = getattr(obj, "rid", None)
     if getattr(obj, "is_single", True):
         if not isinstance(rid, str):
             raise ValueError(f"rid must be a string for a single prompt, got {rid!r}")
-    elif not (isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+        return
+    if not (isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
         raise ValueError(f"rid must be a list of strings for a batch, got {rid!r}")
+    for name in _PER_ITEM:
+        value = getattr(obj, name, None)
+        if isinstance(value, list) and len(value) < len(rid):
+            raise ValueError(
+                f"{name} has {len(value)} entries for a batch of {len(rid)} prompts "
+                "(one per prompt, or one value for all)"
+            )
