@@ -1,8 +1,8 @@
 """The SWA pool rows from the batch's token metadata in Triton (twins: `dsv4cp.ops.pool_rows`):
 one launch each where the torch ops take about twenty small ones (the window's [T, W] position
 arithmetic, two gathers, the reversal and the slot → row map). The forward's first attention
-layer computes both (`layers/attention.py`: the window and the SWA store's rows, kept in
-`ctx.cross.attention` for the later layers).
+layer computes both (the window in `layers/sparse_rows.py`, the SWA store's rows in
+`layers/attention.py`), kept in `ctx.cross.attention` for the later layers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Read top to bottom: the weights (DeepSeek's checkpoint names as views); the prepare, one method
 per schedule node, each reading and writing named buffers of a `PrepareState`; `schedule()`, the
 DAG those nodes form for this layer's role; and `forward` = prepare → sparse attention →
-inverse RoPE → `wo_a` → `wo_b` (attention-math §4.2–§4.7, §5). The reference is DeepSeek's
+inverse RoPE → `wo_a` → `wo_b` (attention-math §4.2–§4.7, §5); `sparse_rows` names the cache rows
+the sparse attention reads and bounds its workspace. The reference is DeepSeek's
 `model.py` (`Attention.forward`, `Compressor.forward`, `Indexer.forward`,
 `select_candidate_blocks`), rewritten here for CP ranks and slot-indexed caches.
 
@@ -34,13 +35,14 @@ from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import gather_indexed, gather_rows, stays_rank_major
 from dsv4cp.executors import SERIAL, Executor
+from dsv4cp.layers import sparse_rows
 from dsv4cp.layers.linear import Linear, Storage
+from dsv4cp.layers.sparse_rows import kv_source
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops.kv_format import store_rows_
 from dsv4cp.ops.linear import WEIGHT_BLOCK
 from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
-from dsv4cp.ops.workspace_rows import WorkspaceMemo
 from dsv4cp.routing import (
     compress_entries,
     grouped_wo_a,
@@ -55,7 +57,6 @@ from dsv4cp.routing import (
     store_index_keys,
     swa_key_rows,
     swa_rows,
-    window_rows,
 )
 from dsv4cp.schedule import DEFAULT, Fork, Join, Node, PrepareState, Release, Schedule, Step
 
@@ -296,7 +297,7 @@ class DeepseekV41Attention(nn.Module):
         return mqa_logits_cached(
             q,
             w,
-            cache.index[self._kv_source()],
+            cache.index[kv_source(self.role)],
             cache.entry_rows(r, ws.slots),
             ctx.local.n_visible(r)[rows],
             k_start=ctx.workspace_start(r)[rows],
@@ -317,7 +318,7 @@ class DeepseekV41Attention(nn.Module):
         topk, blocks = mqa_topk_cached(
             st["idx_q"],
             st["idx_w"],
-            cache.index[self._kv_source()],
+            cache.index[kv_source(self.role)],
             cache.entry_rows(r, ws.slots),
             ctx.local.n_visible(r),
             cfg.index_topk,
@@ -423,72 +424,18 @@ class DeepseekV41Attention(nn.Module):
             # the zeroing is inside wo_b's activation quantization (no pass of its own).
             return self.wo_b(z, self.quant, rows_valid=ctx.local.valid)
 
-    def _kv_source(self) -> int:
-        src = self.role.kv_source
-        if src is None:
-            raise ValueError(f"layer {self.layer}: a compressed layer needs a kv source")
-        return src
-
     def sparse_indices(self, ctx: ForwardContext) -> tuple[Tensor, Tensor | None]:
-        """int32 rows of this layer's SWA cache [L, W] (the window) and, on compressed layers,
-        of the kv source's compressed cache [L, K_top] (the top-k entries); −1 = none.
-
-        The same tensors for every layer that reads the same rows (`ctx.cross.attention`): the
-        window's rows are the same in every layer, the compressed rows in every layer that reads
-        its kv source through the same top-k; the layer that publishes a top-k makes them."""
-        local, cache, memo = ctx.local, ctx.cache, ctx.cross.attention
-        win = memo.window
-        if win is None or win.shape[1] != self.window:
-            # ascending position, -1 pads last, as the reference's `get_window_topk_idxs` and
-            # sorted top-k do: the attention's fp32 sums then add the same terms in that order
-            win = memo.window = window_rows(
-                local.positions,
-                local.valid,
-                local.req_row,
-                local.req_to_token,
-                self.window,
-                *cache.swa_pool_map,
-            )
-        if not self.role.compressed:
-            return win, None
-        r, topk_from = self.role.ratio, self.role.topk_from
-        assert topk_from is not None
-        key = (r, self._kv_source(), topk_from)
-        if memo.comp is None or memo.comp_key != key or self.role.index_source:
-            comp = cache.entry_rows(r, local.entry_slots(r, ctx.cross.topk[r]))
-            memo.comp, memo.comp_key = comp.to(torch.int32), key
-        return win, memo.comp
+        """This layer's window rows and top-k rows (`sparse_rows.sparse_indices`)."""
+        return sparse_rows.sparse_indices(self.role, self.window, ctx)
 
     def workspace_rows(self, ctx: ForwardContext) -> tuple[int, int]:
-        """Upper bounds, from the batch's shapes (no host sync), on the distinct SWA rows and
-        compressed rows this rank's sparse indices name: each request's window reaches at most
-        W − 1 positions before its new tokens, and the top-k entries are the ratio's workspace
-        entries. Sizes FlashMLA's bf16 workspace (`kernels/flashmla.py`)."""
-        meta = ctx.meta
-        t = meta.tokens.num_rows
-        if meta.batch is not None:
-            requests = len(meta.batch.requests)
-        else:  # a graph bucket's static metadata: its workspaces have a row per request
-            offsets = [ws.request_offset.shape[0] for ws in meta.workspaces.values()]
-            requests = max(offsets) if offsets else t
-        swa = t + (self.window - 1) * requests
-        if not self.role.compressed:
-            return swa, 0
-        return swa, int(meta.workspaces[self.role.ratio].slots.shape[0])
-
-    def _workspace_memo(self, ctx: ForwardContext) -> WorkspaceMemo:
-        """The forward's sparse-attention workspace memo (`ctx.cross.attention.workspace`),
-        emptied by an index source (it publishes a top-k; its kv source wrote the rows the memo
-        may hold)."""
-        memo = ctx.cross.attention
-        if not isinstance(memo.workspace, WorkspaceMemo) or self.role.index_source:
-            memo.workspace = WorkspaceMemo()
-        return memo.workspace
+        """Bounds on the distinct rows they name (`sparse_rows.workspace_rows`)."""
+        return sparse_rows.workspace_rows(self.role, self.window, ctx)
 
     def attend(self, q: Tensor, ctx: ForwardContext) -> Tensor:
         local, cache = ctx.local, ctx.cache
         win, comp_idx = self.sparse_indices(ctx)
-        comp = cache.compressed[self._kv_source()] if comp_idx is not None else None
+        comp = cache.compressed[kv_source(self.role)] if comp_idx is not None else None
         o = sparse_attention_cached(
             q,
             cache.swa[self.layer],
@@ -501,7 +448,7 @@ class DeepseekV41Attention(nn.Module):
             cache.formats.compressed,
             self.quant,
             workspace_rows=self.workspace_rows(ctx),
-            workspace_memo=self._workspace_memo(ctx),
+            workspace_memo=sparse_rows.workspace_memo(self.role, ctx),
         )
         # Padding rows' outputs are zeroed by `forward` after wo_a (invariant 5).
         return rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)
