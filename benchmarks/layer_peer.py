@@ -627,7 +627,8 @@ class Run:
             traceback.print_exc()
             out.append(dict(case=case, cp=n, error=_err(exc)))
             return
-        samples: dict[int, list[tuple[float, float, dict[str, float]]]] = {}
+        # per layer and repeat: (its CP 1 sample, rank ms, rank / its ideal, executors' ms)
+        samples: dict[int, list[tuple[float, float, float, dict[str, float]]]] = {}
         errors: dict[int, str] = {}
         for rep in range(self.cp_repeats):
             now_ms: dict[int, float] = {}
@@ -652,10 +653,11 @@ class Run:
                     _release(self.device)
                     continue
                 best, now = min(times.values()), now_ms[i]
-                samples.setdefault(i, []).append((now, best, times))
+                ratio = best / ((now + cp1[i]) / 2 / n)  # over the first pass's and its sample
+                samples.setdefault(i, []).append((now, best, ratio, times))
                 print(
                     f"    CP {n} layer {i} (repeat {rep + 1}): {best:.3f} ms = "
-                    f"{best / ((now + cp1[i]) / 2 / n):.3f}x ideal (CP 1 {cp1[i]:.3f} / "
+                    f"{ratio:.3f}x ideal (CP 1 {cp1[i]:.3f} / "
                     f"{now:.3f} ms; {', '.join(f'{k} {v:.3f}' for k, v in times.items())})",
                     flush=True,
                 )
@@ -671,8 +673,8 @@ class Run:
             ranks = [s[1] for s in got]
             mean = statistics.fmean(cp1_all)
             rank = statistics.median(ranks)
-            per_repeat = [r / ((cp1[i] + c) / 2 / n) for c, r, _ in got]
-            last = got[-1][2]
+            per_repeat = [s[2] for s in got]
+            last = got[-1][3]
             row.update(rank_ms=rank, cp1_ms=mean, ideal_ms=mean / n)
             row["rank_over_ideal"] = rank / row["ideal_ms"]
             row["rank_over_ideal_min"], row["rank_over_ideal_max"] = (
@@ -682,7 +684,7 @@ class Run:
             row["rank_over_ideal_repeats"] = per_repeat
             row["cp1_samples_ms"], row["rank_samples_ms"] = cp1_all, ranks
             row["rank_executor"] = min(last, key=lambda k: last[k])
-            row["rank_ms_by_executor"] = [s[2] for s in got]
+            row["rank_ms_by_executor"] = [s[3] for s in got]
             row["replicated"] = _replicated(layer)
             print(
                 f"    CP {n} layer {i}: {rank:.3f} ms = {row['rank_over_ideal']:.3f}x ideal "

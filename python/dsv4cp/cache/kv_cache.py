@@ -215,10 +215,16 @@ class KVCache:
             )
         self.swa_slot_map = mapping
 
+    @property
+    def swa_pool_map(self) -> tuple[Tensor | None, Tensor, int]:
+        """(slot_map, page_table, page_size): the token slot → SWA row map's arguments of
+        `ops.pool_rows` / `routing` `swa_rows` and `window_rows` (slot_map None: the pages)."""
+        return self.swa_slot_map, self.swa_page_table, self.page_size
+
     def swa_rows(self, slots: Tensor) -> Tensor:
         """int64 SWA pool rows of token slots (−1 for slot −1 or a page / SWA slot not held):
         `ops.pool_rows.swa_rows` over this cache's map."""
-        return pool_rows.swa_rows(slots, self.swa_slot_map, self.swa_page_table, self.page_size)
+        return pool_rows.swa_rows(slots, *self.swa_pool_map)
 
     def entry_rows(self, ratio: int, slots: Tensor) -> Tensor:
         """Compressed / index rows of entry slots (−1 stays −1)."""

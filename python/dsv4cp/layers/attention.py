@@ -230,8 +230,7 @@ class DeepseekV41Attention(nn.Module):
         kv, memo = ctx.cache, ctx.cross.attention
         cache = kv.swa[self.layer]
         if memo.store_rows is None:  # the same rows in every layer of the forward, gather order
-            slots = ctx.meta.tokens.slots
-            rows = swa_rows(slots, kv.swa_slot_map, kv.swa_page_table, kv.page_size)
+            rows = swa_rows(ctx.meta.tokens.slots, *kv.swa_pool_map)
             if stays_rank_major(ctx.cp, ctx.layout):
                 rows = ctx.layout.rank_major(rows)
             memo.store_rows = rows
@@ -444,9 +443,7 @@ class DeepseekV41Attention(nn.Module):
                 local.req_row,
                 local.req_to_token,
                 self.window,
-                cache.swa_slot_map,
-                cache.swa_page_table,
-                cache.page_size,
+                *cache.swa_pool_map,
             )
         if not self.role.compressed:
             return win, None
