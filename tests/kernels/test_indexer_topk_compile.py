@@ -66,17 +66,20 @@ SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i3
 SCAN_TYPES += ["i32"] * 12
 
 
-def _scan_ptx(member: bool, block_max: bool, qat: bool, packed: bool = True) -> str:
-    """sm_90 PTX of the scan kernel at the shipped config and Flash's index shapes."""
+def _scan_ptx(
+    member: bool, block_max: bool, qat: bool, packed: bool = True, direct: bool = True
+) -> str:
+    """sm_90 PTX of the scan kernel at the shipped config and Flash's index shapes; `direct`
+    False: a piece of several whose buffer goes to the merge as it is (no last cut)."""
     from dsv4cp.kernels import indexer_topk as m
     from dsv4cp.kernels.indexer_topk_scan import scan_kernel
 
     block_t, block_n, warps, stages = m.DEFAULT_CONFIG
     const = dict(
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
-        BS=8, DIRECT=True, PREFIX=not member, D=128, BLOCK_T=block_t, BLOCK_N=block_n,
-        STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False, PACKED=packed,
-        KEY_BITS=16 if qat else 32,
+        BS=8, DIRECT=direct, PREFIX=not member, FINAL_CUT=direct, D=128, BLOCK_T=block_t,
+        BLOCK_N=block_n, STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
+        PACKED=packed, KEY_BITS=16 if qat else 32,
     )  # fmt: skip
     return _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
 
@@ -92,6 +95,10 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
     if qat:  # the bf16 steps two values per instruction; single roundings only for the weights
         assert "mul.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
         assert ptx.count("cvt.rn.bf16.f32") <= 4, ptx.count("cvt.rn.bf16.f32")
+
+
+def test_scan_piece_without_its_last_cut_compiles_for_sm90() -> None:
+    assert "wgmma.mma_async" in _scan_ptx(member=False, block_max=False, qat=True, direct=False)
 
 
 def test_scan_qat_unpacked_rounds_one_value_per_instruction() -> None:
@@ -119,11 +126,14 @@ def test_merge_and_member_kernels_compile_for_sm90() -> None:
     from dsv4cp.kernels.indexer_topk_merge import merge_kernel
     from dsv4cp.kernels.indexer_topk_scan import member_kernel
 
+    types = ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"]
     for bits in (16, 32):  # qat's bf16 scores, fp32's
-        const = dict(K=512, K_PAD=512, P_PAD=16, CAP=1024, PREFIX=True, KEY_BITS=bits)
-        _compile(
-            merge_kernel, ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"], const, 8, 1
-        )
+        # the pieces cut to K (16 of them), or their running buffers as they are (8 of CAP)
+        for p_pad, w_pad in ((16, 512), (8, 1024)):
+            const = dict(
+                K=512, K_PAD=512, P_PAD=p_pad, CAP=1024, W_PAD=w_pad, PREFIX=True, KEY_BITS=bits
+            )
+            _compile(merge_kernel, types, const, 8, 1)
     _compile(member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
 
 

@@ -31,6 +31,7 @@ CASES = (
     "random_floats_tie_aware",
     "qat_key_bits",
     "logits_route",
+    "pieces_merged_raw_or_cut",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
 
@@ -286,6 +287,38 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             ops_chunks.LOGITS_BUDGET_BYTES = budget
         qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
+
+    def pieces_merged_raw_or_cut():
+        # Several pieces: their running buffers go to the merge as they are when pieces · cap
+        # fit MAX_MERGE (the default here), else after a last cut each (MAX_MERGE 0 forces it).
+        # Both select what the twin selects: qat ties (both signs), the candidate source's top-k
+        # and blocks, the consumer's map mode; cap 64 cuts in the middle of the pieces.
+        q, w, k, nv = inputs(27, 4, 16, 200, seed=13)
+        q, k = q * 37, k * 29  # products beyond bf16's 8 bits: the roundings tie columns
+        nv[:3] = torch.tensor([200, 0, 5])
+        ids = torch.randint(-1, 50, (27, 9), generator=torch.Generator().manual_seed(14)).int()
+        want = ops.mqa_topk(q, w, k, nv, 16, quant="qat")
+        want_top, want_blocks = ops.mqa_topk_candidates(q, w, k, nv, 16, 4, 12, quant="qat")
+        want_among = ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 16, quant="qat")
+        merge_max = kern.MAX_MERGE
+        try:
+            for most in (merge_max, 0):
+                kern.MAX_MERGE = most
+                for pieces in (2, 3):
+                    kw = dict(config=CFG, pieces=pieces, cap=64, quant="qat")
+                    got, _ = kern.launch_mqa_topk(q, w, k, nv, 16, **kw)
+                    equal(got, want, f"MAX_MERGE={most} pieces={pieces}")
+                    top, blocks = kern.launch_mqa_topk(
+                        q, w, k, nv, 16, block_size=4, max_blocks=12, **kw
+                    )
+                    equal(top, want_top, f"candidates MAX_MERGE={most} pieces={pieces}")
+                    equal(blocks, want_blocks, f"blocks MAX_MERGE={most} pieces={pieces}")
+                    got, _ = kern.launch_mqa_topk(
+                        q, w, k, nv, 16, block_ids=ids, block_size=4, consumer="map", **kw
+                    )
+                    equal(got, want_among, f"consumer MAX_MERGE={most} pieces={pieces}")
+        finally:
+            kern.MAX_MERGE = merge_max
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

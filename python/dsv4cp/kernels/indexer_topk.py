@@ -46,7 +46,7 @@ from dsv4cp.ops.kv_format import check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 MAX_K = 2048
-MAX_MERGE = 16384  # pieces · K keys merged in registers per row
+MAX_MERGE = 16384  # keys merged in registers per row: pieces · K, or pieces · CAP unreduced
 MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
@@ -241,6 +241,9 @@ def launch_mqa_topk(
                     MB_PAD=triton.next_power_of_2(ids.shape[1]),
                 )  # fmt: skip
         o = out[a:b]
+        # the pieces' running buffers go to the merge as they are when they all fit its registers
+        raw = p > 1 and p * cap <= MAX_MERGE
+        w_pad = cap if raw else k_pad
         scan_kernel[(triton.cdiv(rows, block_t), p)](
             q[a:b], weights[a:b], k, nv, nv if k_start is None else k_start[a:b].contiguous(),
             member, bmax, sk, si, cnt, tau, o,
@@ -248,16 +251,16 @@ def launch_mqa_topk(
             q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
             K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group, KEY_BITS=key_bits,
             HAS_KSTART=k_start is not None, MEMBER=member_mode, BLOCK_MAX=bool(max_blocks),
-            BS=block_size, DIRECT=p == 1, PREFIX=not member_mode,
+            BS=block_size, DIRECT=p == 1, PREFIX=not member_mode, FINAL_CUT=not raw,
             D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec,
             QAT=qat, RNE=interpreting(), PACKED=packed, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if p > 1:
             merge_kernel[(rows,)](
                 sk, si, cnt, nv, o, width, p, o.stride(0),
-                K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap,
+                K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap, W_PAD=w_pad,
                 PREFIX=not member_mode, KEY_BITS=key_bits,
-                num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * k_pad // 1024)))),
+                num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * w_pad // 1024)))),
             )  # fmt: skip
         if blocks_out is not None:
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size

@@ -1,8 +1,9 @@
-"""The merge of a row's pieces: when the scan splits the width into pieces, each piece leaves
-its exact top K in its buffer; `merge_kernel` takes, per row, the top K of the pieces' buffers
-(≤ pieces·K keys, in column order) in registers (`kernels.topk`'s selection, its search over
-KEY_BITS as the scan's cuts), -1 pads; rows with at most K visible columns (PREFIX) get every
-visible column."""
+"""The merge of a row's pieces: when the scan splits the width into pieces, each piece leaves a
+buffer that holds its top K (exactly those after a last cut, W_PAD = K_PAD; or the running
+buffer as it is, ≤ CAP keys, W_PAD = CAP); `merge_kernel` takes, per row, the top K of the
+pieces' buffers (≤ pieces·W_PAD keys, in column order) in registers (`kernels.topk`'s
+selection, its search over KEY_BITS as the scan's cuts), -1 pads; rows with at most K visible
+columns (PREFIX) get every visible column."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dsv4cp.kernels.topk import _kth_key, _store_prefix, _store_selection
 def merge_kernel(
     sk_ptr, si_ptr, cnt_ptr, nvis_ptr, out_ptr, WIDTH, PIECES, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, CAP: tl.constexpr,
-    PREFIX: tl.constexpr, KEY_BITS: tl.constexpr,
+    W_PAD: tl.constexpr, PREFIX: tl.constexpr, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + row * stride_ot
@@ -26,11 +27,12 @@ def merge_kernel(
     else:
         p = tl.arange(0, P_PAD)
         o = tl.arange(0, K_PAD)
+        e = tl.arange(0, W_PAD)
         c = tl.load(cnt_ptr + row * PIECES + p, mask=p < PIECES, other=0)
-        live = o[None, :] < c[:, None]
-        at = (row * PIECES + p)[:, None] * CAP + o[None, :]
-        keys = tl.reshape(tl.load(sk_ptr + at, mask=live, other=-2147483648), [P_PAD * K_PAD])
-        idx = tl.reshape(tl.load(si_ptr + at, mask=live, other=0), [P_PAD * K_PAD])
+        live = e[None, :] < c[:, None]
+        at = (row * PIECES + p)[:, None] * CAP + e[None, :]
+        keys = tl.reshape(tl.load(sk_ptr + at, mask=live, other=-2147483648), [P_PAD * W_PAD])
+        idx = tl.reshape(tl.load(si_ptr + at, mask=live, other=0), [P_PAD * W_PAD])
         total = tl.minimum(tl.sum(c, 0), K)
         tl.store(out_row + o, tl.full([K_PAD], -1, tl.int32), mask=(o >= total) & (o < K))
         _store_selection(keys, idx, keys > -2147483648, _kth_key(keys, K, KEY_BITS), out_row, K)

@@ -5,8 +5,11 @@ BLOCK_N key columns it forms the logits tile as `kernels/indexer_logits` does (t
 once, one tensor-core product per head, relu, weighted sum in fp32 registers: `index_score`), then
 appends the columns that beat each row's threshold to the row's running buffer; when a row's
 buffer is nearly full, every row's buffer of the block is cut to its top K (`running_topk`).
-After the last tile the buffer is the piece's exact top K. With one piece (DIRECT) the program
-writes the answer; otherwise `indexer_topk_merge.merge_kernel` merges the pieces' buffers.
+With one piece (DIRECT) a last cut leaves the piece's exact top K and the program writes the
+answer; otherwise `indexer_topk_merge.merge_kernel` merges the pieces' buffers — as they are
+when all of them fit the merge's registers (no FINAL_CUT: a buffer holds its last cut's top K
+and only keys above that cut's τ, so it contains the piece's top K in column order), else
+after a last cut each.
 
 Modes (constexpr flags of the same kernel):
 - BLOCK_MAX, the candidate source: each tile also writes the max visible logit of every block of
@@ -39,7 +42,7 @@ def scan_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, RG: tl.constexpr,
     KEY_BITS: tl.constexpr,
     HAS_KSTART: tl.constexpr, MEMBER: tl.constexpr, BLOCK_MAX: tl.constexpr, BS: tl.constexpr,
-    DIRECT: tl.constexpr, PREFIX: tl.constexpr,
+    DIRECT: tl.constexpr, PREFIX: tl.constexpr, FINAL_CUT: tl.constexpr,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
     PACKED: tl.constexpr,
@@ -126,9 +129,11 @@ def scan_kernel(
                     tau = tl.load(tau_ptr + slots, mask=row_ok, other=-2147483648)
         done = tl.where(active, 1, done)
     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
-    cut_block(
-        sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES, BLOCK_T, RG, CAP, K, KEY_BITS
-    )
+    if FINAL_CUT:  # else the merge takes the buffer as it is (its top K and the keys above τ)
+        cut_block(
+            sk_ptr, si_ptr, cnt_ptr, tau_ptr, first_row, T, piece, PIECES, BLOCK_T, RG, CAP, K,
+            KEY_BITS,
+        )  # fmt: skip
     if DIRECT:  # one piece: the buffers are the answer (ascending columns, -1 pads)
         o = tl.arange(0, K_PAD)
         for g in range(0, BLOCK_T, RG):
