@@ -28,7 +28,7 @@ from dsv4cp.config import (
     EXPORT_MODEL_TYPE,
     UPSTREAM_MODEL_TYPE,
     DeepseekV41Config,
-    read_config_json,
+    checkpoint_kind,
 )
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
@@ -43,10 +43,10 @@ def _refuse_an_export(path: str) -> None:
     another config layout) is a ValueError saying so, before its weights are tried. An
     unreadable config.json is left to `DeepseekV41Config.from_hf`."""
     try:
-        raw = read_config_json(path)
-    except (OSError, ValueError):
+        kind = checkpoint_kind(path)
+    except (OSError, ValueError):  # unreadable, or another model_type: from_hf / the loader say
         return
-    if isinstance(raw, dict) and raw.get("model_type") == EXPORT_MODEL_TYPE:
+    if kind == "export":
         raise ValueError(
             f"{path} is a dsv4cp export (config.json model_type {EXPORT_MODEL_TYPE!r}); "
             "--checkpoint reads released-format DeepSeek-V4.1 checkpoints "
