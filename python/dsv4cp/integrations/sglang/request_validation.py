@@ -132,7 +132,7 @@ def validate_generate_request(
         return
     if len(input_ids) == 0:  # e.g. text "": an empty extend would reach the model
         raise ValueError("the prompt has no tokens")
-    bad = next((t for t in input_ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
+    bad = next((t for t in input_ids if not _in_vocab(t, vocab_size)), None)
     if bad is not None:
         raise ValueError(f"input token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
