@@ -11,6 +11,9 @@ the GPU, and picks the kernels:
   (`running_topk`), in the candidate source's (block maxima) or consumer's (membership map,
   `member_kernel`) mode;
 - `indexer_topk_merge.merge_kernel`: the top K of the pieces' buffers, when there are pieces;
+- before the scan, at widths of 4K and more, a seed per row from a sample of its columns
+  (`plan_seed`): the scan takes only keys at or above it, and scans again without it the row
+  blocks where a row ends with fewer than K keys (exact either way);
 - `indexer_topk_gather`: a consumer at long context scores only its published blocks' keys.
 
 The plain top-k (an index source) of a narrow context takes the other route: the logits to

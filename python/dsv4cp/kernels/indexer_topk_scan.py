@@ -21,6 +21,16 @@ Modes (constexpr flags of the same kernel):
 
 A row block whose rows have different k_start (a request boundary inside the block) is done in
 segments, one pass over the piece per distinct k_start, the other rows masked.
+
+The seed (`indexer_topk.plan_seed`), three launches of the same kernel:
+- COL_STRIDE > 1, the sample: the scan over every COL_STRIDE-th visible column with K = the seed
+  rank and a last cut, whose τ (the rank-th largest sampled key, INT_MIN when fewer) is the seed;
+- SEEDED: the row's threshold starts at its seed (keys ≥ it are taken), not at INT_MIN, and a
+  cut of a row holding fewer than K keys keeps that floor; the pieces then append a few thousand
+  keys per row and rarely cut. A row whose buffers end with fewer than K keys (while it sees
+  more than K columns) is flagged, by the direct write or by the merge (FLAG);
+- REDO: the unseeded pass again, for the row blocks holding a flagged row only (the others
+  return at once), and the merge of the flagged rows (REDO there too).
 """
 
 from __future__ import annotations
