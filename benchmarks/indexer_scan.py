@@ -8,8 +8,10 @@ qat the shipped config also runs with `key_bits=32` (the running top-k's 32-step
 was shipped before the 16-step one for bf16 scores) and with `packed=False` (qat's bf16
 roundings one value per instruction, what was shipped before the two-value inline PTX). The
 running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once), `cap` 2048
-(fewer, larger cuts). `route=scan` and `route=logits` time the plain top-k's two routes
-(`kernel.pick_route`: the shipped one is picked by width) on the index source. `--only` picks
+(fewer, larger cuts), `seed=off` (no seed: each piece's running top-k starts empty) and
+`seed_stride` 64 and 256 (a denser or sparser sample than the planned one). `route=scan` and
+`route=logits` time the plain top-k's two routes (`kernel.pick_route`: the shipped one is
+picked by width) on the index source. `--only` picks
 variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     variants += [(f"row_group={g}", {"row_group": g, "route": "scan"}) for g in (2, 8)]
     variants += [("cap=2048", {"cap": 2048, "route": "scan"})]
+    variants += [("seed=off", {"seed_stride": 0, "route": "scan"})]
+    variants += [(f"seed_stride={v}", {"seed_stride": v, "route": "scan"}) for v in (64, 256)]
     variants += [(f"config={c}", {"config": c, "route": "scan"}) for c in CONFIGS if c != shipped]
     variants += [
         (f"pieces={p}", {"pieces": int(p), "route": "scan"}) for p in args.pieces.split(",") if p

@@ -62,15 +62,21 @@ def _compile(
     return ptx
 
 
-SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i32"] * 5
+SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i32"] * 6 + ["*i8"]
 SCAN_TYPES += ["i32"] * 12
 
 
 def _scan_ptx(
-    member: bool, block_max: bool, qat: bool, packed: bool = True, direct: bool = True
+    member: bool,
+    block_max: bool,
+    qat: bool,
+    packed: bool = True,
+    direct: bool = True,
+    seed: tuple[int, bool, bool] = (1, False, False),
 ) -> str:
     """sm_90 PTX of the scan kernel at the shipped config and Flash's index shapes; `direct`
-    False: a piece of several whose buffer goes to the merge as it is (no last cut)."""
+    False: a piece of several whose buffer goes to the merge as it is (no last cut); `seed`:
+    (COL_STRIDE, SEEDED, REDO)."""
     from dsv4cp.kernels import indexer_topk as m
     from dsv4cp.kernels.indexer_topk_scan import scan_kernel
 
@@ -79,7 +85,8 @@ def _scan_ptx(
         K=512, K_PAD=512, CAP=1024, RG=4, HAS_KSTART=True, MEMBER=member, BLOCK_MAX=block_max,
         BS=8, DIRECT=direct, PREFIX=not member, FINAL_CUT=direct, D=128, BLOCK_T=block_t,
         BLOCK_N=block_n, STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
-        PACKED=packed, KEY_BITS=16 if qat else 32,
+        PACKED=packed, KEY_BITS=16 if qat else 32, COL_STRIDE=seed[0], SEEDED=seed[1],
+        REDO=seed[2],
     )  # fmt: skip
     return _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
 
@@ -99,6 +106,14 @@ def test_scan_kernel_compiles_for_sm90(member: bool, block_max: bool, qat: bool)
 
 def test_scan_piece_without_its_last_cut_compiles_for_sm90() -> None:
     assert "wgmma.mma_async" in _scan_ptx(member=False, block_max=False, qat=True, direct=False)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_seeded_scan_and_its_passes_compile_for_sm90(direct: bool) -> None:
+    """The seed's sample pass (a column stride), the seeded pass and the redo (early exit)."""
+    for seed in ((128, False, False), (1, True, False), (1, False, True)):
+        ptx = _scan_ptx(member=False, block_max=True, qat=True, direct=direct, seed=seed)
+        assert "wgmma.mma_async" in ptx
 
 
 def test_scan_qat_unpacked_rounds_one_value_per_instruction() -> None:
@@ -126,13 +141,15 @@ def test_merge_and_member_kernels_compile_for_sm90() -> None:
     from dsv4cp.kernels.indexer_topk_merge import merge_kernel
     from dsv4cp.kernels.indexer_topk_scan import member_kernel
 
-    types = ["*i32", "*i32", "*i32", "*i64", "*i32", "i32", "i32", "i32"]
+    types = ["*i32", "*i32", "*i32", "*i64", "*i32", "*i8", "i32", "i32", "i32"]
     for bits in (16, 32):  # qat's bf16 scores, fp32's
-        # the pieces cut to K (16 of them), or their running buffers as they are (8 of CAP)
-        for p_pad, w_pad in ((16, 512), (8, 1024)):
+        # the pieces cut to K (16 of them), or their running buffers as they are (8 of CAP);
+        # after a seeded pass (FLAG) or as its redo (REDO)
+        for p_pad, w_pad, flag, redo in ((16, 512, 0, 0), (8, 1024, 1, 0), (8, 1024, 0, 1)):
             const = dict(
-                K=512, K_PAD=512, P_PAD=p_pad, CAP=1024, W_PAD=w_pad, PREFIX=True, KEY_BITS=bits
-            )
+                K=512, K_PAD=512, P_PAD=p_pad, CAP=1024, W_PAD=w_pad, PREFIX=True, KEY_BITS=bits,
+                FLAG=bool(flag), REDO=bool(redo),
+            )  # fmt: skip
             _compile(merge_kernel, types, const, 8, 1)
     _compile(member_kernel, ["*i32", "*u8", "i32", "i32", "i32"], dict(MB_PAD=2048), 4, 1)
 

@@ -32,6 +32,7 @@ CASES = (
     "qat_key_bits",
     "logits_route",
     "pieces_merged_raw_or_cut",
+    "seeded_scan_and_redo",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
 
@@ -95,6 +96,21 @@ def test_pieces_fill_whole_waves() -> None:
     assert plan_pieces(3, 4, 1, 1) == 1
     with pytest.raises(ValueError, match="must be ≥ 1"):
         plan_pieces(0, 132, 2, 4)
+
+
+def test_seed_plan() -> None:
+    from dsv4cp.kernels.indexer_topk import plan_seed
+
+    # a CP 8 rank's r2 source (64K entries): every 128th column, its 20th largest (μ = 4)
+    assert plan_seed(65536, 512, False, None, None) == (128, 20)
+    assert plan_seed(16384, 512, False, None, None) == (32, 56)
+    assert plan_seed(4095, 512, False, None, None) == (0, 0)  # stride < 8: none
+    assert plan_seed(65536, 512, True, None, None) == (0, 0)  # a consumer: none
+    assert plan_seed(65536, 512, False, 0, None) == (0, 0)  # turned off
+    assert plan_seed(200, 16, False, 4, 1) == (4, 1)  # the knobs as given
+    for bad in ((65536, 512, True, 64, None), (200, 16, False, -1, None), (200, 16, False, 4, 0)):
+        with pytest.raises(ValueError, match="seed_stride"):
+            plan_seed(*bad)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -319,6 +335,44 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                     equal(got, want_among, f"consumer MAX_MERGE={most} pieces={pieces}")
         finally:
             kern.MAX_MERGE = merge_max
+
+    def seeded_scan_and_redo():
+        # The seed (the rank-th largest of every 4th visible column's key) with one piece (the
+        # direct write) and several (the merge), two requests, qat ties, the candidate source:
+        # the twin's selection. Rank 1 (the sample's largest: most rows keep fewer than K keys)
+        # shows the redo of short rows; without the redo that run must differ from the twin.
+        q, w, k, nv = inputs(27, 4, 16, 200, seed=17)
+        q, k = q * 37, k * 29
+        nv[:4] = torch.tensor([200, 0, 5, 17])
+        ks = torch.cat([torch.zeros(13, dtype=torch.long), torch.full((14,), 40)])
+        nv = torch.minimum(nv, 200 - ks)
+        want = ops.mqa_topk(q, w, k, nv, 16, k_start=ks, width=160, quant="qat")
+        want_top, want_blocks = ops.mqa_topk_candidates(
+            q, w, k, nv, 16, 4, 12, k_start=ks, width=160, quant="qat"
+        )
+        for rank in (None, 1):
+            for pieces in (1, 3):
+                kw = dict(config=CFG, pieces=pieces, cap=64, quant="qat", seed_stride=4,
+                          seed_rank=rank, k_start=ks, width=160)  # fmt: skip
+                got, _ = kern.launch_mqa_topk(q, w, k, nv, 16, **kw)
+                equal(got, want, f"seed rank={rank} pieces={pieces}")
+                top, blocks = kern.launch_mqa_topk(q, w, k, nv, 16, block_size=4, max_blocks=12,
+                                                   **kw)  # fmt: skip
+                equal(top, want_top, f"candidates seed rank={rank} pieces={pieces}")
+                equal(blocks, want_blocks, f"blocks seed rank={rank} pieces={pieces}")
+        try:
+            kern.SEED_REDO = False
+            for pieces in (1, 3):
+                kw = dict(config=CFG, pieces=pieces, cap=64, quant="qat", seed_stride=4,
+                          seed_rank=1, k_start=ks, width=160)  # fmt: skip
+                got, _ = kern.launch_mqa_topk(q, w, k, nv, 16, **kw)
+                assert not torch.equal(got, want), f"the seed pruned nothing (pieces={pieces})"
+                short = (got < 0).sum(1) > (16 - nv.clamp(0, 160)).clamp_min(0)
+                assert short.any(), "no row was left short without the redo"
+        finally:
+            kern.SEED_REDO = True
+        with pytest.raises(ValueError, match="seed_stride"):
+            kern.launch_mqa_topk(q, w, k, nv, 16, config=CFG, seed_stride=-1)
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

@@ -11,6 +11,9 @@ the GPU, and picks the kernels:
   (`running_topk`), in the candidate source's (block maxima) or consumer's (membership map,
   `member_kernel`) mode;
 - `indexer_topk_merge.merge_kernel`: the top K of the pieces' buffers, when there are pieces;
+- before the scan, at widths of 4K and more, a seed per row from a sample of its columns
+  (`plan_seed`): the scan takes only keys at or above it, and scans again without it the row
+  blocks where a row ends with fewer than K keys (exact either way);
 - `indexer_topk_gather`: a consumer at long context scores only its published blocks' keys.
 
 The plain top-k (an index source) of a narrow context takes the other route: the logits to
@@ -52,6 +55,9 @@ SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map)
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
 TOPK_ROUTES = ("auto", "scan", "logits")
+SEED_SAMPLE = 512  # sampled columns per row for the seed: every (width // SEED_SAMPLE)-th
+SEED_MIN_STRIDE = 8  # no seed below a stride of 8 (widths < 4K: few cuts to save)
+SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
 # Resident scan programs per SM by config: DEFAULT_CONFIG's 255 registers × 128 threads allow 2
@@ -124,6 +130,8 @@ def launch_mqa_topk(
     key_bits: int | None = None,
     packed: bool = True,
     route: str = "scan",
+    seed_stride: int | None = None,
+    seed_rank: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
@@ -140,10 +148,11 @@ def launch_mqa_topk(
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
     same bits as `packed=False`, which rounds one value at a time). `route`: "scan" (the fused
     kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
-    the selection kernel), or "auto" (`pick_route`, what the layer's calls take)."""
+    the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
+    `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
-    scan_knobs = (config, pieces, cap, row_group, consumer, packed) != (
-        (None,) * 3 + (4, "auto", True)
+    scan_knobs = (config, pieces, cap, row_group, consumer, packed, seed_stride, seed_rank) != (
+        (None,) * 3 + (4, "auto", True, None, None)
     )
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
@@ -214,9 +223,12 @@ def launch_mqa_topk(
         piece_w = triton.cdiv(triton.cdiv(width, pieces), block_n) * block_n
         return triton.cdiv(width, piece_w), piece_w
 
+    stride, rank = plan_seed(width, k_top, member_mode, seed_stride, seed_rank)
+    cap_s = triton.next_power_of_2(max(2 * rank, rank + 2 * block_n)) if stride else 0
     # Rows per launch: whole row blocks whose buffers (and block maxima or map) fit the budget.
     step = t
-    while step > block_t and step * (8 * cap * plan(step)[0] + 5 * nb) > SCRATCH_BUDGET_BYTES:
+    per_row = 8 * cap_s + 9 + 5 * nb
+    while step > block_t and step * (8 * cap * plan(step)[0] + per_row) > SCRATCH_BUDGET_BYTES:
         step = max(block_t, step // 2 // block_t * block_t)
     for a in range(0, t, step):
         b = min(t, a + step)
@@ -241,31 +253,77 @@ def launch_mqa_topk(
                     MB_PAD=triton.next_power_of_2(ids.shape[1]),
                 )  # fmt: skip
         o = out[a:b]
+        ks = nv if k_start is None else k_start[a:b].contiguous()
         # the pieces' running buffers go to the merge as they are when they all fit its registers
         raw = p > 1 and p * cap <= MAX_MERGE
         w_pad = cap if raw else k_pad
-        scan_kernel[(triton.cdiv(rows, block_t), p)](
-            q[a:b], weights[a:b], k, nv, nv if k_start is None else k_start[a:b].contiguous(),
-            member, bmax, sk, si, cnt, tau, o,
-            rows, h, n, width, p, piece_w, nb,
-            q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
-            K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group, KEY_BITS=key_bits,
-            HAS_KSTART=k_start is not None, MEMBER=member_mode, BLOCK_MAX=bool(max_blocks),
-            BS=block_size, DIRECT=p == 1, PREFIX=not member_mode, FINAL_CUT=not raw,
-            D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec,
-            QAT=qat, RNE=interpreting(), PACKED=packed, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        if p > 1:
-            merge_kernel[(rows,)](
-                sk, si, cnt, nv, o, width, p, o.stride(0),
-                K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap, W_PAD=w_pad,
-                PREFIX=not member_mode, KEY_BITS=key_bits,
-                num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * w_pad // 1024)))),
+        seed = redo = cnt  # placeholders where there is no seed
+        if stride:  # the seed: the rank-th largest key of every stride-th visible column
+            seed = torch.empty_like(cnt[:rows])
+            redo = torch.empty((rows,), dtype=torch.int8, device=q.device)
+            sk_s = torch.empty((rows, cap_s), dtype=torch.int32, device=q.device)
+            nv_s = (nv.clamp(0, width) + stride - 1) // stride
+            width_s = triton.cdiv(width, stride)
+
+            scan_kernel[(triton.cdiv(rows, block_t), 1)](
+                q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, torch.empty_like(sk_s),
+                torch.empty_like(seed), seed, o, seed, redo,
+                rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
+                q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
+                K=rank, K_PAD=triton.next_power_of_2(rank), CAP=cap_s, RG=row_group,
+                KEY_BITS=key_bits, HAS_KSTART=k_start is not None, MEMBER=False,
+                BLOCK_MAX=False, BS=block_size, DIRECT=False, PREFIX=False, FINAL_CUT=True,
+                D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast,
+                DOT_PREC=prec, QAT=qat, RNE=interpreting(), PACKED=packed,
+                COL_STRIDE=stride, SEEDED=False, REDO=False, num_warps=warps, num_stages=stages,
             )  # fmt: skip
+        passes = ((True, False), (False, True))[: 1 + SEED_REDO] if stride else ((False, False),)
+        for seeded, again in passes:  # with a seed: the seeded pass, then the redo of short rows
+            scan_kernel[(triton.cdiv(rows, block_t), p)](
+                q[a:b], weights[a:b], k, nv, ks, member, bmax, sk, si, cnt, tau, o, seed, redo,
+                rows, h, n, width, p, piece_w, nb,
+                q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
+                K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group, KEY_BITS=key_bits,
+                HAS_KSTART=k_start is not None, MEMBER=member_mode,
+                BLOCK_MAX=bool(max_blocks) and not again, BS=block_size, DIRECT=p == 1,
+                PREFIX=not member_mode, FINAL_CUT=not raw, D=d, BLOCK_T=block_t,
+                BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec, QAT=qat,
+                RNE=interpreting(), PACKED=packed, COL_STRIDE=1, SEEDED=seeded, REDO=again,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            if p > 1:
+                merge_kernel[(rows,)](
+                    sk, si, cnt, nv, o, redo, width, p, o.stride(0),
+                    K=k_top, K_PAD=k_pad, P_PAD=triton.next_power_of_2(p), CAP=cap,
+                    W_PAD=w_pad, PREFIX=not member_mode, KEY_BITS=key_bits, FLAG=seeded,
+                    REDO=again,
+                    num_warps=max(4, min(16, triton.next_power_of_2(max(1, p * w_pad // 1024)))),
+                )  # fmt: skip
         if blocks_out is not None:
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size
             blocks_out[a:b] = _launch_topk(bmax, n_blocks, max_blocks, key_bits=key_bits)
     return out, blocks_out
+
+
+def plan_seed(
+    width: int, k_top: int, consumer: bool, stride: int | None, rank: int | None
+) -> tuple[int, int]:
+    """(stride, rank) of the scan's seed, (0, 0) for none. The seed of a row is the rank-th
+    largest key among its visible columns 0, stride, 2·stride, …; the scan then takes only keys
+    ≥ it, which spares the cuts of a running top-k that starts empty in every piece. Exact
+    whenever at least k_top keys of the row reach the seed (then its top k_top all do); a row
+    where fewer do is found after the pass (its buffers hold < k_top keys) and scanned again
+    without a seed. The planned rank puts the expected count of sampled keys among a row's top
+    k_top (μ = k_top / stride, for columns in random order) well under it: 3μ + 8, so a row
+    keeps ~3·k_top + 8·stride keys. Consumers (scores restricted to their blocks) take none."""
+    if stride is None:
+        stride = 0 if consumer else width // SEED_SAMPLE
+        stride = stride if stride >= SEED_MIN_STRIDE else 0
+    if stride < 0 or (stride and consumer) or (rank is not None and rank < 1):
+        raise ValueError(f"mqa_topk kernel: seed_stride {stride} / rank {rank} not usable here")
+    if stride <= 1:
+        return 0, 0
+    return stride, rank or 3 * triton.cdiv(k_top, stride) + 8
 
 
 def pick_route(route: str, width: int, blocks: bool) -> str:

@@ -15,15 +15,21 @@ from dsv4cp.kernels.topk import _kth_key, _store_prefix, _store_selection
 
 @triton.jit
 def merge_kernel(
-    sk_ptr, si_ptr, cnt_ptr, nvis_ptr, out_ptr, WIDTH, PIECES, stride_ot,
+    sk_ptr, si_ptr, cnt_ptr, nvis_ptr, out_ptr, redo_ptr, WIDTH, PIECES, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, CAP: tl.constexpr,
     W_PAD: tl.constexpr, PREFIX: tl.constexpr, KEY_BITS: tl.constexpr,
+    FLAG: tl.constexpr, REDO: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    if REDO:  # merge again only the rows the seeded pass left short
+        if tl.load(redo_ptr + row) == 0:
+            return
     out_row = out_ptr + row * stride_ot
     n = tl.maximum(tl.minimum(tl.load(nvis_ptr + row).to(tl.int32), WIDTH), 0)
     if PREFIX and n <= K:
         _store_prefix(out_row, n, K, K_PAD)
+        if FLAG:
+            tl.store(redo_ptr + row, tl.zeros([], dtype=tl.int8))
     else:
         p = tl.arange(0, P_PAD)
         o = tl.arange(0, K_PAD)
@@ -34,5 +40,7 @@ def merge_kernel(
         keys = tl.reshape(tl.load(sk_ptr + at, mask=live, other=-2147483648), [P_PAD * W_PAD])
         idx = tl.reshape(tl.load(si_ptr + at, mask=live, other=0), [P_PAD * W_PAD])
         total = tl.minimum(tl.sum(c, 0), K)
+        if FLAG:  # the seeded scan's pieces hold fewer than K keys ≥ the seed: redo the row
+            tl.store(redo_ptr + row, (tl.sum(c, 0) < K).to(tl.int8))
         tl.store(out_row + o, tl.full([K_PAD], -1, tl.int32), mask=(o >= total) & (o < K))
         _store_selection(keys, idx, keys > -2147483648, _kth_key(keys, K, KEY_BITS), out_row, K)

@@ -21,6 +21,16 @@ Modes (constexpr flags of the same kernel):
 
 A row block whose rows have different k_start (a request boundary inside the block) is done in
 segments, one pass over the piece per distinct k_start, the other rows masked.
+
+The seed (`indexer_topk.plan_seed`), three launches of the same kernel:
+- COL_STRIDE > 1, the sample: the scan over every COL_STRIDE-th visible column with K = the seed
+  rank and a last cut, whose τ (the rank-th largest sampled key, INT_MIN when fewer) is the seed;
+- SEEDED: the row's threshold starts at its seed (keys ≥ it are taken), not at INT_MIN, and a
+  cut of a row holding fewer than K keys keeps that floor; the pieces then append a few thousand
+  keys per row and rarely cut. A row whose buffers end with fewer than K keys (while it sees
+  more than K columns) is flagged, by the direct write or by the merge (FLAG);
+- REDO: the unseeded pass again, for the row blocks holding a flagged row only (the others
+  return at once), and the merge of the flagged rows (REDO there too).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from dsv4cp.kernels.topk import _sortable
 @triton.jit
 def scan_kernel(
     q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, member_ptr, bmax_ptr,
-    sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr,
+    sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr, seed_ptr, redo_ptr,
     T, H, N, WIDTH, PIECES, PIECE_W, NB,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, RG: tl.constexpr,
@@ -45,12 +55,15 @@ def scan_kernel(
     DIRECT: tl.constexpr, PREFIX: tl.constexpr, FINAL_CUT: tl.constexpr,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, COL_STRIDE: tl.constexpr, SEEDED: tl.constexpr, REDO: tl.constexpr,
 ):  # fmt: skip
     first_row = tl.program_id(0) * BLOCK_T
     piece = tl.program_id(1)
     rows = first_row + tl.arange(0, BLOCK_T)
     row_ok = rows < T
+    if REDO:  # the unseeded pass again, for the row blocks a seed left short only
+        if tl.max(tl.load(redo_ptr + rows, mask=row_ok, other=0).to(tl.int32), 0) == 0:
+            return
     rows64 = rows.to(tl.int64)
     slots = rows64 * PIECES + piece
     d = tl.arange(0, D)
@@ -64,6 +77,10 @@ def scan_kernel(
     c1 = tl.minimum(c0 + PIECE_W, WIDTH)
     cnt = tl.zeros([BLOCK_T], dtype=tl.int32)
     tau = tl.full([BLOCK_T], -2147483648, tl.int32)
+    if SEEDED:  # take keys ≥ the row's seed only (INT_MIN: no seed)
+        seed = tl.load(seed_ptr + rows, mask=row_ok, other=-2147483648)
+        tau = tl.where(seed > -2147483648, seed - 1, seed)
+    floor = tau
     done = (rows >= T).to(tl.int32)
     while tl.min(done, 0) == 0:  # one segment per distinct k_start
         ks_cur = tl.min(tl.where(done != 0, 2147483647, ks), 0)
@@ -71,7 +88,7 @@ def scan_kernel(
         hi = tl.minimum(c1, tl.max(tl.where(active, nv, 0), 0))
         for n0 in range(c0, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            key_rows = ks_cur + cols
+            key_rows = ks_cur + cols * COL_STRIDE  # COL_STRIDE > 1: the seed's sample
             kt = tl.load(
                 k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
                 mask=((cols < hi) & (key_rows < N))[None, :],
@@ -126,7 +143,9 @@ def scan_kernel(
                         BLOCK_T, RG, CAP, K, KEY_BITS,
                     )  # fmt: skip
                     cnt = tl.load(cnt_ptr + slots, mask=row_ok, other=0)
+                    # a row cut below K keeps all it has and the seed's floor
                     tau = tl.load(tau_ptr + slots, mask=row_ok, other=-2147483648)
+                    tau = tl.maximum(tau, floor)
         done = tl.where(active, 1, done)
     tl.store(cnt_ptr + slots, cnt, mask=row_ok)
     if FINAL_CUT:  # else the merge takes the buffer as it is (its top K and the keys above τ)
@@ -148,6 +167,8 @@ def scan_kernel(
                 n = tl.maximum(n, 0)
                 prefix = tl.where(o[None, :] < n[:, None], o[None, :], -1)
                 sel = tl.where((n <= K)[:, None], prefix, sel)
+                if SEEDED:  # fewer than K keys reached the seed: the row needs the redo
+                    tl.store(redo_ptr + r, ((n > K) & (c < K)).to(tl.int8), mask=r_ok)
             tl.store(
                 out_ptr + r64[:, None] * stride_ot + o[None, :],
                 sel,
