@@ -32,13 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dsv4cp.config_fields import is_finite_number
+from dsv4cp.config_fields import is_finite_number, is_int
 
 __all__ = ["validate_generate_request", "validate_request_ids"]
 
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_opt_str(v: object) -> bool:
@@ -52,7 +49,7 @@ _TYPE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("stream", lambda v: isinstance(v, bool), "must be true or false"),
     (
         "logprob_start_len",
-        lambda v: _is_int(v) and int(v) >= -1,  # type: ignore[call-overload]
+        lambda v: is_int(v) and int(v) >= -1,  # type: ignore[call-overload]
         "must be an integer >= -1 (-1: no input logprobs)",
     ),
     ("session_id", _is_opt_str, "must be a string"),
@@ -60,7 +57,7 @@ _TYPE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("extra_key", _is_opt_str, "must be a string"),
     ("cache_salt", _is_opt_str, "must be a string"),
     ("routing_key", _is_opt_str, "must be a string"),
-    ("priority", lambda v: v is None or _is_int(v), "must be an integer"),
+    ("priority", lambda v: v is None or is_int(v), "must be an integer"),
     (
         "routed_dp_rank",
         lambda v: v is None or v == 0,
@@ -131,7 +128,7 @@ def validate_generate_request(
         if hasattr(obj, name) and not accepted(getattr(obj, name)):
             raise ValueError(f"{name} {message}, got {getattr(obj, name)!r}")
     top = getattr(obj, "top_logprobs_num", 0)
-    if not _is_int(top) or not 0 <= top <= vocab_size:
+    if not is_int(top) or not 0 <= top <= vocab_size:
         raise ValueError(
             f"top_logprobs_num must be an integer in [0, {vocab_size}] (the vocabulary), "
             f"got {top!r}"
@@ -154,7 +151,7 @@ def _refuse_unsupported(obj: object) -> None:
 
 
 def _in_vocab(t: object, vocab_size: int) -> bool:
-    return _is_int(t) and 0 <= t < vocab_size  # type: ignore[operator]
+    return is_int(t) and 0 <= t < vocab_size  # type: ignore[operator]
 
 
 def _check_token_ids_logprob(ids: object, vocab_size: int) -> None:
