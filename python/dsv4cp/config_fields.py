@@ -36,7 +36,8 @@ def bad_field(name: str, msg: str) -> ValueError:
     return ValueError(f"DeepseekV41Config.{name}: {msg}")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: object) -> bool:
+    """An int that is not a bool (JSON's true/false arrive as bools)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -47,11 +48,11 @@ def checked(name: str, v: Any, rule: str | tuple[str, ...]) -> Any:
             raise bad_field(name, f"must be one of {rule}, got {v!r}")
         return v
     if rule == IDS:
-        ok = isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)
+        ok = isinstance(v, (list, tuple)) and all(is_int(i) and i >= 0 for i in v)
     elif rule == FLAG:
         ok = isinstance(v, bool)
     elif rule in _INT_MIN:
-        ok = _is_int(v) and v >= _INT_MIN[rule]
+        ok = is_int(v) and v >= _INT_MIN[rule]
     else:
         ok = is_finite_number(v) and (v >= 0 if rule == NONNEG else v > _NUM_MIN[rule])
     if not ok:
@@ -61,7 +62,7 @@ def checked(name: str, v: Any, rule: str | tuple[str, ...]) -> Any:
 
 def is_finite_number(v: Any) -> bool:
     """An int or float (not a bool), neither NaN nor ±inf, nor an int too large for a float."""
-    if not (_is_int(v) or isinstance(v, float)):
+    if not (is_int(v) or isinstance(v, float)):
         return False
     try:
         return math.isfinite(float(v))

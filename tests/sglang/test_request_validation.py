@@ -173,20 +173,27 @@ def test_request_ids_match_the_request_shape() -> None:
         validate_request_ids(_item(rid=["a", 3], is_single=False))
 
 
-@pytest.mark.parametrize(
-    "name", ["sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"]
+BATCH_LISTS = dict(
+    sampling_params=[{}, {}],
+    return_logprob=[True, True],
+    logprob_start_len=[-1, -1],
+    top_logprobs_num=[0, 0],
+    token_ids_logprob=[[1], [2]],
+    return_sampling_mask=[False, True],
+    sampling_logprobs_mode=[None, None],
+    custom_logit_processor=[None, "p"],
+    bootstrap_host=["h", "h"],
+    bootstrap_port=[1, 2],
+    bootstrap_room=[3, 4],
+    bootstrap_pair_key=[None, None],
+    decode_tp_size=[None, 1],
 )
+
+
+@pytest.mark.parametrize("name", [n for n in BATCH_LISTS if n != "token_ids_logprob"])
 def test_batch_per_item_lists_cover_the_batch(name: str) -> None:
     """A per-item list shorter than the batch: SGLang's item split raised IndexError (500)."""
-    full = dict(
-        rid=["a", "b"],
-        is_single=False,
-        sampling_params=[{}, {}],
-        return_logprob=[True, True],
-        logprob_start_len=[-1, -1],
-        top_logprobs_num=[0, 0],
-        token_ids_logprob=[[1], [2]],
-    )
+    full = dict(rid=["a", "b"], is_single=False, **BATCH_LISTS)
     validate_request_ids(_item(**full))
     validate_request_ids(_item(**{**full, name: full[name] + full[name]}))  # longer: SGLang's
     with pytest.raises(ValueError, match=f"{name} has 1 entries for a batch of 2"):
@@ -197,3 +204,24 @@ def test_batch_token_ids_logprob_covers_the_batch() -> None:
     item = _item(rid=["a", "b"], is_single=False, token_ids_logprob=[[1]])
     with pytest.raises(ValueError, match="token_ids_logprob has 1 entries for a batch of 2"):
         validate_request_ids(item)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("lora_path", ["adapter"]),
+        ("lora_id", "x"),
+        ("video_data", ["v.mp4"]),
+        ("audio_data", [None, "a.wav"]),
+        ("multi_item_delimiter_indices", [[1]]),
+        ("token_indices_to_pool", [[0]]),
+    ],
+)
+def test_batch_with_an_unsupported_field_is_refused_before_the_split(
+    name: str, value: object
+) -> None:
+    """Refused for the batch, whatever the list's length (a short one was SGLang's 500)."""
+    with pytest.raises(ValueError, match=f"{name} is not supported"):
+        validate_request_ids(_item(rid=["a", "b"], is_single=False, **{name: value}))
+    # the normalised absence of these fields ([None] * n) passes
+    validate_request_ids(_item(rid=["a", "b"], is_single=False, **{name: [None, None]}))

@@ -301,6 +301,9 @@ def _gen_with(**sampling: object) -> dict:
         # 500 before dsv4cp's checks:
         {**GEN, "rid": ["a", "b"]},
         {"input_ids": [[5, 6], [7, 8]], "token_ids_logprob": [[1]], "return_logprob": True},
+        {"input_ids": [[5, 6], [7, 8]], "custom_logit_processor": [None]},
+        {"input_ids": [[5, 6], [7, 8]], "bootstrap_host": ["h"], "bootstrap_room": [1]},
+        {"input_ids": [[5, 6], [7, 8]], "lora_path": ["adapter"]},
         # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
         {**GEN, "return_logprob": True, "top_logprobs_num": -1},
         {**GEN, "image_data": "http://127.0.0.1:1/x.png"},
@@ -323,6 +326,9 @@ def _gen_with(**sampling: object) -> dict:
         "logit-bias-overflow",
         "rid-list-single-prompt",
         "batch-token-ids-logprob-short",
+        "batch-logit-processor-short",
+        "batch-bootstrap-short",
+        "batch-lora-short",
         "top-logprobs-negative",
         "image-data",
         "routed-experts",

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dsv4cp.checkpoint.errors import CheckpointError
+from dsv4cp.config_fields import is_int
 
 # safetensors dtype -> (torch dtype, numpy dtype of the raw storage for memmap)
 DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
@@ -93,9 +94,6 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     return entries
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
 
 def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> HeaderEntry:
     """One header entry, checked: `dtype` a known name, `shape` a list of non-negative integers,
@@ -110,11 +108,11 @@ def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> H
         raise CheckpointError(f"{where}: dtype must be a string, got {dtype!r}")
     if dtype not in DTYPES:
         raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
-    if not isinstance(raw_shape, list) or not all(_is_int(d) and d >= 0 for d in raw_shape):
+    if not isinstance(raw_shape, list) or not all(is_int(d) and d >= 0 for d in raw_shape):
         raise CheckpointError(
             f"{where}: shape must be a list of non-negative integers, got {raw_shape!r}"
         )
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_int, offsets)):
         raise CheckpointError(f"{where}: data_offsets must be two integers, got {offsets!r}")
     shape: tuple[int, ...] = tuple(raw_shape)
     begin, end = offsets

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dsv4cp.batch import PAD_ROW, BatchMetadata, CompressedWorkspace, TokenMeta
+from dsv4cp.config_fields import is_int
 from dsv4cp.cp.group import CPGroup
 from dsv4cp.cp.layout import CPLayout
 from dsv4cp.graphs.bcg import BreakableGraph, eager_break
@@ -32,9 +33,6 @@ from dsv4cp.side_streams import side_stream
 
 log = logging.getLogger("dsv4cp.graphs")
 
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -48,14 +46,14 @@ class GraphConfig:
         """Every field an int (not a bool) in range: a ValueError naming the field. A negative
         max_batch_context once gave a workspace too small for any batch (graphs never used)."""
         buckets = tuple(self.buckets) if isinstance(self.buckets, (tuple, list)) else None
-        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+        if not buckets or not all(is_int(b) and b >= 1 for b in buckets):
             raise ValueError(
                 f"GraphConfig.buckets must be a non-empty sequence of positive ints, got "
                 f"{self.buckets!r}"
             )
         for name, low in (("max_requests", 1), ("max_context", 1), ("max_batch_context", 0)):
             v = getattr(self, name)
-            if not _is_int(v) or v < low:
+            if not is_int(v) or v < low:
                 what = "0 (= 2·max_context) or a positive int" if low == 0 else "a positive int"
                 raise ValueError(f"GraphConfig.{name} must be {what}, got {v!r}")
 

@@ -11,7 +11,9 @@ Three classes of defect are covered:
   outside the vocabulary (with `min_new_tokens` > 0 the min-new-tokens penalizer scatters them
   into a vocabulary-wide row: index out of bounds), `top_k` above int32 (the sampling batch
   holds top-k as int32: overflow); or that fails in the tokenizer manager with a 500 (`rid` a
-  list for a single prompt, a per-item list of a batch shorter than the batch:
+  list for a single prompt, a per-item list of a batch shorter than the batch — sampling and
+  logprob fields, `custom_logit_processor`, the disaggregation `bootstrap_*` fields — or a
+  field below that no item may carry, given as a batch list of any length:
   `validate_request_ids`, run after batch normalisation, before SGLang splits the batch and
   files the items under their ids);
 - a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
@@ -30,13 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dsv4cp.config_fields import is_finite_number
+from dsv4cp.config_fields import is_finite_number, is_int
 
 __all__ = ["validate_generate_request", "validate_request_ids"]
 
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_opt_str(v: object) -> bool:
@@ -50,7 +49,7 @@ _TYPE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("stream", lambda v: isinstance(v, bool), "must be true or false"),
     (
         "logprob_start_len",
-        lambda v: _is_int(v) and int(v) >= -1,  # type: ignore[call-overload]
+        lambda v: is_int(v) and int(v) >= -1,  # type: ignore[call-overload]
         "must be an integer >= -1 (-1: no input logprobs)",
     ),
     ("session_id", _is_opt_str, "must be a string"),
@@ -58,7 +57,7 @@ _TYPE_RULES: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("extra_key", _is_opt_str, "must be a string"),
     ("cache_salt", _is_opt_str, "must be a string"),
     ("routing_key", _is_opt_str, "must be a string"),
-    ("priority", lambda v: v is None or _is_int(v), "must be an integer"),
+    ("priority", lambda v: v is None or is_int(v), "must be an integer"),
     (
         "routed_dp_rank",
         lambda v: v is None or v == 0,
@@ -82,14 +81,24 @@ _UNSUPPORTED: tuple[tuple[str, str], ...] = (
 )
 
 
-# Fields a batch holds one entry per item of after SGLang's normalisation; a shorter list makes
-# SGLang's item split (GenerateReqInput.__getitem__) fail with an IndexError (HTTP 500).
+# Fields a batch holds one entry per item of after SGLang's normalisation, where SGLang keeps a
+# list as given without checking its length; a shorter list makes SGLang's item split
+# (GenerateReqInput.__getitem__) fail with an IndexError (HTTP 500). (`_UNSUPPORTED` fields
+# present in a batch are refused before their lengths matter.)
 _PER_ITEM: tuple[str, ...] = (
     "sampling_params",
     "return_logprob",
     "logprob_start_len",
     "top_logprobs_num",
     "token_ids_logprob",
+    "return_sampling_mask",
+    "sampling_logprobs_mode",
+    "custom_logit_processor",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
 )
 _INT32_MAX = 2**31 - 1
 # |bias| / temperature stays finite in float32 for every sampled temperature (>= 1e-6; below
@@ -114,14 +123,12 @@ def validate_generate_request(
 
     `obj` is one item of SGLang's `GenerateReqInput` after batch normalisation; `input_ids` the
     prompt's tokens (None for `input_embeds` requests)."""
-    for name, message in _UNSUPPORTED:
-        if _present(getattr(obj, name, None)):
-            raise ValueError(f"{name} is not supported: {message}")
+    _refuse_unsupported(obj)
     for name, accepted, message in _TYPE_RULES:
         if hasattr(obj, name) and not accepted(getattr(obj, name)):
             raise ValueError(f"{name} {message}, got {getattr(obj, name)!r}")
     top = getattr(obj, "top_logprobs_num", 0)
-    if not _is_int(top) or not 0 <= top <= vocab_size:
+    if not is_int(top) or not 0 <= top <= vocab_size:
         raise ValueError(
             f"top_logprobs_num must be an integer in [0, {vocab_size}] (the vocabulary), "
             f"got {top!r}"
@@ -137,8 +144,14 @@ def validate_generate_request(
         raise ValueError(f"input token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
 
+def _refuse_unsupported(obj: object) -> None:
+    for name, message in _UNSUPPORTED:
+        if _present(getattr(obj, name, None)):
+            raise ValueError(f"{name} is not supported: {message}")
+
+
 def _in_vocab(t: object, vocab_size: int) -> bool:
-    return _is_int(t) and 0 <= t < vocab_size  # type: ignore[operator]
+    return is_int(t) and 0 <= t < vocab_size  # type: ignore[operator]
 
 
 def _check_token_ids_logprob(ids: object, vocab_size: int) -> None:
@@ -191,6 +204,7 @@ def validate_request_ids(obj: object) -> None:
         return
     if not (isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
         raise ValueError(f"rid must be a list of strings for a batch, got {rid!r}")
+    _refuse_unsupported(obj)  # a batch's lora_path or video_data list is never split
     for name in _PER_ITEM:
         value = getattr(obj, name, None)
         if isinstance(value, list) and len(value) < len(rid):
