@@ -94,7 +94,6 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     return entries
 
 
-
 def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> HeaderEntry:
     """One header entry, checked: `dtype` a known name, `shape` a list of non-negative integers,
     `data_offsets` two integers (JSON strings, floats and booleans are refused, not coerced)."""

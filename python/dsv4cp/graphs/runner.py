@@ -34,7 +34,6 @@ from dsv4cp.side_streams import side_stream
 log = logging.getLogger("dsv4cp.graphs")
 
 
-
 @dataclass(frozen=True)
 class GraphConfig:
     buckets: tuple[int, ...] = (64, 256, 1024)  # global tokens per forward

@@ -37,7 +37,6 @@ from dsv4cp.config_fields import is_finite_number, is_int
 __all__ = ["validate_generate_request", "validate_request_ids"]
 
 
-
 def _is_opt_str(v: object) -> bool:
     return v is None or isinstance(v, str)
 
