@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 for variant in variants:
                     if variant[0] == "route=logits" and role != "r2 index source":
                         continue  # the logits route takes the plain top-k only
+                    if variant[0].startswith("seed_stride") and "consumer" in role:
+                        continue  # a consumer's selection takes no seed
                     out = run(variant)
                     ms = time_cuda(lambda v=variant, f=run: f(v), warmup=2, iters=args.iters)
                     if base_out is None:
