@@ -227,7 +227,7 @@ def launch_mqa_topk(
     cap_s = triton.next_power_of_2(max(2 * rank, rank + 2 * block_n)) if stride else 0
     # Rows per launch: whole row blocks whose buffers (and block maxima or map) fit the budget.
     step = t
-    per_row = 8 * cap_s + 9 + 5 * nb
+    per_row = (8 * cap_s + 17 if stride else 0) + 5 * nb  # the seed's buffers, seed, flag
     while step > block_t and step * (8 * cap * plan(step)[0] + per_row) > SCRATCH_BUDGET_BYTES:
         step = max(block_t, step // 2 // block_t * block_t)
     for a in range(0, t, step):
@@ -259,15 +259,15 @@ def launch_mqa_topk(
         w_pad = cap if raw else k_pad
         seed = redo = cnt  # placeholders where there is no seed
         if stride:  # the seed: the rank-th largest key of every stride-th visible column
-            seed = torch.empty_like(cnt[:rows])
+            seed = torch.empty((rows,), dtype=torch.int32, device=q.device)
             redo = torch.empty((rows,), dtype=torch.int8, device=q.device)
             sk_s = torch.empty((rows, cap_s), dtype=torch.int32, device=q.device)
+            si_s, cnt_s = torch.empty_like(sk_s), torch.empty_like(seed)
             nv_s = (nv.clamp(0, width) + stride - 1) // stride
             width_s = triton.cdiv(width, stride)
-
-            scan_kernel[(triton.cdiv(rows, block_t), 1)](
-                q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, torch.empty_like(sk_s),
-                torch.empty_like(seed), seed, o, seed, redo,
+            scan_kernel[(triton.cdiv(rows, block_t), 1)](  # its last cut's τ is the seed
+                q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, si_s, cnt_s, seed, o,
+                seed, redo,
                 rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
                 q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
                 K=rank, K_PAD=triton.next_power_of_2(rank), CAP=cap_s, RG=row_group,
