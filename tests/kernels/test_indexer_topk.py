@@ -179,10 +179,10 @@ def test_qat_packed_equals_unpacked_on_random_inputs() -> None:
     _equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("t", [2048, 64])
-def test_seeded_scan_and_its_redo_match_ops(t: int) -> None:
-    """A CP 8 rank's rows of an r2 source (2048 rows at 64K entries: 8 pieces) and one row block
-    (one piece per program, the direct write), qat, integer inputs: the planned seed (every
+@pytest.mark.parametrize(("t", "pieces"), [(2048, None), (64, 1)])
+def test_seeded_scan_and_its_redo_match_ops(t: int, pieces: int | None) -> None:
+    """A CP 8 rank's rows of an r2 source (2048 rows at 64K entries: 8 pieces, merged) and one
+    row block in one piece (the direct write), qat, integer inputs: the planned seed (every
     128th column's 20th largest), no seed, and rank 1 (the sample's largest: most rows short,
     redone without a seed) all select what the twin selects, top-k and candidate blocks."""
     n = 65536
@@ -192,7 +192,7 @@ def test_seeded_scan_and_its_redo_match_ops(t: int) -> None:
     want = ops.mqa_topk(q, w, k, nv, 512, quant="qat")
     want_top, want_blocks = ops.mqa_topk_candidates(q, w, k, nv, 512, 8, 256, quant="qat")
     for knobs in ({}, {"seed_stride": 0}, {"seed_rank": 1}):
-        kw = dict(quant="qat", route="scan", **knobs)
+        kw = dict(quant="qat", route="scan", pieces=pieces, **knobs)
         _equal(launch_mqa_topk(q, w, k, nv, 512, **kw)[0], want)
         top, blocks = launch_mqa_topk(q, w, k, nv, 512, block_size=8, max_blocks=256, **kw)
         assert blocks is not None
