@@ -225,3 +225,21 @@ def test_batch_with_an_unsupported_field_is_refused_before_the_split(
         validate_request_ids(_item(rid=["a", "b"], is_single=False, **{name: value}))
     # the normalised absence of these fields ([None] * n) passes
     validate_request_ids(_item(rid=["a", "b"], is_single=False, **{name: [None, None]}))
+
+
+@pytest.mark.parametrize("n", [0, -2, 129, 100_000, 1.5, "3", True])
+def test_samples_per_prompt_out_of_range_are_refused(n: object) -> None:
+    """SGLang has no bound: n = 100000 queued that many sequences and stalled the server."""
+    for obj in (
+        _item(parallel_sample_num=n),
+        _item(rid=["a"], is_single=False, parallel_sample_num=n),
+    ):
+        with pytest.raises(
+            ValueError, match=r"n \(samples per prompt\) must be an integer in \[1, 128\]"
+        ):
+            validate_request_ids(obj)
+
+
+def test_samples_per_prompt_in_range_pass() -> None:
+    validate_request_ids(_item(parallel_sample_num=1))
+    validate_request_ids(_item(rid=["a", "b"], is_single=False, parallel_sample_num=128))

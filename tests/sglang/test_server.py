@@ -304,6 +304,9 @@ def _gen_with(**sampling: object) -> dict:
         {"input_ids": [[5, 6], [7, 8]], "custom_logit_processor": [None]},
         {"input_ids": [[5, 6], [7, 8]], "bootstrap_host": ["h"], "bootstrap_room": [1]},
         {"input_ids": [[5, 6], [7, 8]], "lora_path": ["adapter"]},
+        # Queued 100,000 sequences (the server answered nothing else for minutes); served as 1:
+        _gen_with(n=100_000),
+        _gen_with(n=-2),
         # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
         {**GEN, "return_logprob": True, "top_logprobs_num": -1},
         {**GEN, "image_data": "http://127.0.0.1:1/x.png"},
@@ -329,6 +332,8 @@ def _gen_with(**sampling: object) -> dict:
         "batch-logit-processor-short",
         "batch-bootstrap-short",
         "batch-lora-short",
+        "n-huge",
+        "n-negative",
         "top-logprobs-negative",
         "image-data",
         "routed-experts",

@@ -15,7 +15,9 @@ Three classes of defect are covered:
   logprob fields, `custom_logit_processor`, the disaggregation `bootstrap_*` fields — or a
   field below that no item may carry, given as a batch list of any length:
   `validate_request_ids`, run after batch normalisation, before SGLang splits the batch and
-  files the items under their ids);
+  files the items under their ids); `n` (samples per prompt) outside [1, 128] (0 failed with
+  "range() arg 3 must not be zero", a negative n was served as 1, n = 100000 queued that many
+  sequences and stalled the server);
 - a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
   within ±1e30 (an infinite bias, e.g. 1e39 in float32, turns a sampled row's probabilities to
   NaN and the sampler returns token 0), a bool in `token_ids_logprob` (read as token 0 or 1:
@@ -100,6 +102,9 @@ _PER_ITEM: tuple[str, ...] = (
     "decode_tp_size",
 )
 _INT32_MAX = 2**31 - 1
+# Samples per prompt (`n`), OpenAI's own bound. SGLang has none: one request with n = 100000
+# queued 100,000 sequences, and the server answered nothing else for minutes.
+MAX_PARALLEL_SAMPLES = 128
 # |bias| / temperature stays finite in float32 for every sampled temperature (>= 1e-6; below
 # that SGLang samples greedily): 1e30 / 1e-6 = 1e36 < 3.4e38.
 _LOGIT_BIAS_LIMIT = 1e30
@@ -195,7 +200,12 @@ def _check_sampling_params(params: object, vocab_size: int) -> None:
 
 def validate_request_ids(obj: object) -> None:
     """`rid` of a normalised request: a string for a single prompt, strings for a batch; in a
-    batch, every per-item list at least as long as the batch."""
+    batch, every per-item list at least as long as the batch; `n` in [1, MAX_PARALLEL_SAMPLES]."""
+    n = getattr(obj, "parallel_sample_num", 1)
+    if not is_int(n) or not 1 <= n <= MAX_PARALLEL_SAMPLES:
+        raise ValueError(
+            f"n (samples per prompt) must be an integer in [1, {MAX_PARALLEL_SAMPLES}], got {n!r}"
+        )
     rid = getattr(obj, "rid", None)
     if getattr(obj, "is_single", True):
         if not isinstance(rid, str):
