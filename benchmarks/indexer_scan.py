@@ -11,8 +11,7 @@ running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once)
 (fewer, larger cuts), `seed=off` (no seed: each piece's running top-k starts empty) and
 `seed_stride` 64 and 256 (a denser or sparser sample than the planned one). `route=scan` and
 `route=logits` time the plain top-k's two routes (`kernel.pick_route`: the shipped one is
-picked by width) on the index source. `--only` picks
-variants by name.
+picked by width) on the index source. `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights; 32 heads × 128, top-k 512, `--quant`), or with `--prefix P` that many rows after P

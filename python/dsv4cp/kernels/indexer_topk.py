@@ -41,6 +41,7 @@ from dsv4cp.kernels._triton import interpreting
 from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
+from dsv4cp.kernels.indexer_topk_plan import plan_pieces, plan_seed
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
 from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
@@ -55,8 +56,6 @@ SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map)
 GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
 TOPK_ROUTES = ("auto", "scan", "logits")
-SEED_SAMPLE = 512  # sampled columns per row for the seed: every (width // SEED_SAMPLE)-th
-SEED_MIN_STRIDE = 8  # no seed below a stride of 8 (widths < 4K: few cuts to save)
 SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
@@ -71,26 +70,6 @@ def check_mqa_topk(q: Tensor, weights: Tensor, k: Tensor, n_visible: Tensor, k_t
     check_mqa_logits(q, weights, k, n_visible)
     if not 1 <= k_top <= MAX_K:
         raise ValueError(f"mqa_topk kernel: k_top must be in [1, {MAX_K}], got {k_top}")
-
-
-def plan_pieces(row_blocks: int, sms: int, per_sm: int, most: int) -> int:
-    """Width pieces of `row_blocks` programs each. When the row blocks fill a wave of resident
-    programs (sms · per_sm) alone: 1. Else the count whose programs run in the fewest waves per
-    piece of width — waves(p) / p, waves(p) = ⌈row_blocks · p / (sms · per_sm)⌉ — among
-    1..most; of equal ones, the nearest to ⌈2 · sms / row_blocks⌉ (two programs per SM, what
-    was planned before waves were counted). At 4096 rows (64 blocks) on 132 SMs × 2: 4 pieces
-    fill one wave (256 programs), where 5 took two (320) for 1/4 more work each."""
-    if row_blocks < 1 or sms < 1 or per_sm < 1 or most < 1:
-        raise ValueError(f"plan_pieces: {row_blocks=}, {sms=}, {per_sm=}, {most=} must be ≥ 1")
-    slots = sms * per_sm
-    if row_blocks >= slots:
-        return 1
-    want = triton.cdiv(2 * sms, row_blocks)
-
-    def rank(p: int) -> tuple[float, int]:
-        return (triton.cdiv(row_blocks * p, slots) / p, abs(p - want))
-
-    return min(range(1, most + 1), key=rank)
 
 
 def _pieces(
@@ -216,6 +195,23 @@ def launch_mqa_topk(
             return out, None
     upcast = interpreting() and q.dtype != torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    same = dict(  # the scan launches' common arguments: the sample's, the seeded, the redo
+        RG=row_group,
+        KEY_BITS=key_bits,
+        HAS_KSTART=k_start is not None,
+        BS=block_size,
+        D=d,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        UPCAST=upcast,
+        DOT_PREC=prec,
+        QAT=qat,
+        RNE=interpreting(),
+        PACKED=packed,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
     def plan(rows: int) -> tuple[int, int]:
         if pieces is None:
@@ -254,6 +250,7 @@ def launch_mqa_topk(
                 )  # fmt: skip
         o = out[a:b]
         ks = nv if k_start is None else k_start[a:b].contiguous()
+        strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0))
         # the pieces' running buffers go to the merge as they are when they all fit its registers
         raw = p > 1 and p * cap <= MAX_MERGE
         w_pad = cap if raw else k_pad
@@ -267,29 +264,19 @@ def launch_mqa_topk(
             width_s = triton.cdiv(width, stride)
             scan_kernel[(triton.cdiv(rows, block_t), 1)](  # its last cut's τ is the seed
                 q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, si_s, cnt_s, seed, o,
-                seed, redo,
-                rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
-                q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
-                K=rank, K_PAD=triton.next_power_of_2(rank), CAP=cap_s, RG=row_group,
-                KEY_BITS=key_bits, HAS_KSTART=k_start is not None, MEMBER=False,
-                BLOCK_MAX=False, BS=block_size, DIRECT=False, PREFIX=False, FINAL_CUT=True,
-                D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=upcast,
-                DOT_PREC=prec, QAT=qat, RNE=interpreting(), PACKED=packed,
-                COL_STRIDE=stride, SEEDED=False, REDO=False, num_warps=warps, num_stages=stages,
+                seed, redo, rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
+                *strides, K=rank, K_PAD=triton.next_power_of_2(rank), CAP=cap_s, MEMBER=False,
+                BLOCK_MAX=False, DIRECT=False, PREFIX=False, FINAL_CUT=True, COL_STRIDE=stride,
+                SEEDED=False, REDO=False, **same,
             )  # fmt: skip
         passes = ((True, False), (False, True))[: 1 + SEED_REDO] if stride else ((False, False),)
         for seeded, again in passes:  # with a seed: the seeded pass, then the redo of short rows
             scan_kernel[(triton.cdiv(rows, block_t), p)](
                 q[a:b], weights[a:b], k, nv, ks, member, bmax, sk, si, cnt, tau, o, seed, redo,
-                rows, h, n, width, p, piece_w, nb,
-                q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0),
-                K=k_top, K_PAD=k_pad, CAP=cap, RG=row_group, KEY_BITS=key_bits,
-                HAS_KSTART=k_start is not None, MEMBER=member_mode,
-                BLOCK_MAX=bool(max_blocks) and not again, BS=block_size, DIRECT=p == 1,
-                PREFIX=not member_mode, FINAL_CUT=not raw, D=d, BLOCK_T=block_t,
-                BLOCK_N=block_n, STAGES=stages, UPCAST=upcast, DOT_PREC=prec, QAT=qat,
-                RNE=interpreting(), PACKED=packed, COL_STRIDE=1, SEEDED=seeded, REDO=again,
-                num_warps=warps, num_stages=stages,
+                rows, h, n, width, p, piece_w, nb, *strides,
+                K=k_top, K_PAD=k_pad, CAP=cap, MEMBER=member_mode,
+                BLOCK_MAX=bool(max_blocks) and not again, DIRECT=p == 1, PREFIX=not member_mode,
+                FINAL_CUT=not raw, COL_STRIDE=1, SEEDED=seeded, REDO=again, **same,
             )  # fmt: skip
             if p > 1:
                 merge_kernel[(rows,)](
@@ -303,27 +290,6 @@ def launch_mqa_topk(
             n_blocks = (nv.clamp(0, width) + block_size - 1) // block_size
             blocks_out[a:b] = _launch_topk(bmax, n_blocks, max_blocks, key_bits=key_bits)
     return out, blocks_out
-
-
-def plan_seed(
-    width: int, k_top: int, consumer: bool, stride: int | None, rank: int | None
-) -> tuple[int, int]:
-    """(stride, rank) of the scan's seed, (0, 0) for none. The seed of a row is the rank-th
-    largest key among its visible columns 0, stride, 2·stride, …; the scan then takes only keys
-    ≥ it, which spares the cuts of a running top-k that starts empty in every piece. Exact
-    whenever at least k_top keys of the row reach the seed (then its top k_top all do); a row
-    where fewer do is found after the pass (its buffers hold < k_top keys) and scanned again
-    without a seed. The planned rank puts the expected count of sampled keys among a row's top
-    k_top (μ = k_top / stride, for columns in random order) well under it: 3μ + 8, so a row
-    keeps ~3·k_top + 8·stride keys. Consumers (scores restricted to their blocks) take none."""
-    if stride is None:
-        stride = 0 if consumer else width // SEED_SAMPLE
-        stride = stride if stride >= SEED_MIN_STRIDE else 0
-    if stride < 0 or (stride and consumer) or (rank is not None and rank < 1):
-        raise ValueError(f"mqa_topk kernel: seed_stride {stride} / rank {rank} not usable here")
-    if stride <= 1:
-        return 0, 0
-    return stride, rank or 3 * triton.cdiv(k_top, stride) + 8
 
 
 def pick_route(route: str, width: int, blocks: bool) -> str:

@@ -39,8 +39,9 @@ def merge_kernel(
         at = (row * PIECES + p)[:, None] * CAP + e[None, :]
         keys = tl.reshape(tl.load(sk_ptr + at, mask=live, other=-2147483648), [P_PAD * W_PAD])
         idx = tl.reshape(tl.load(si_ptr + at, mask=live, other=0), [P_PAD * W_PAD])
-        total = tl.minimum(tl.sum(c, 0), K)
+        held = tl.sum(c, 0)
+        total = tl.minimum(held, K)
         if FLAG:  # the seeded scan's pieces hold fewer than K keys ≥ the seed: redo the row
-            tl.store(redo_ptr + row, (tl.sum(c, 0) < K).to(tl.int8))
+            tl.store(redo_ptr + row, (held < K).to(tl.int8))
         tl.store(out_row + o, tl.full([K_PAD], -1, tl.int32), mask=(o >= total) & (o < K))
         _store_selection(keys, idx, keys > -2147483648, _kth_key(keys, K, KEY_BITS), out_row, K)

@@ -22,7 +22,7 @@ Modes (constexpr flags of the same kernel):
 A row block whose rows have different k_start (a request boundary inside the block) is done in
 segments, one pass over the piece per distinct k_start, the other rows masked.
 
-The seed (`indexer_topk.plan_seed`), three launches of the same kernel:
+The seed (`indexer_topk_plan.plan_seed`), three launches of the same kernel:
 - COL_STRIDE > 1, the sample: the scan over every COL_STRIDE-th visible column with K = the seed
   rank and a last cut, whose τ (the rank-th largest sampled key, INT_MIN when fewer) is the seed;
 - SEEDED: the row's threshold starts at its seed (keys ≥ it are taken), not at INT_MIN, and a
