@@ -107,7 +107,7 @@ def test_pool_streams_skip_held_ones_and_run_out_clearly() -> None:
 
 def test_mode_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MODE_ENV, "dedicated")
-    with pytest.raises(ValueError, match=f"{MODE_ENV} must be auto, external or pool"):
+    with pytest.raises(ValueError, match=f"{MODE_ENV} must be one of auto, external, pool"):
         _build_registry()
     monkeypatch.setenv(MODE_ENV, "pool")
     assert _build_registry().mode == "pool"

@@ -65,9 +65,29 @@ def _reported(e: Exception, command: str) -> int | None:
     return None
 
 
+def _check_environment(command: str) -> int | None:
+    """Every set DSV4CP_* variable parsed before any work: a bad value is one line and exit 2
+    (not an error in the middle of a forward); an unknown DSV4CP_* name is a warning."""
+    from dsv4cp import env_vars
+    from dsv4cp.routing import routes_off
+
+    try:
+        warnings = env_vars.check_environment()
+        routes_off()  # DSV4CP_KERNELS_OFF's names against the routes
+    except ValueError as e:
+        print(f"dsv4cp {command}: {e}", file=sys.stderr)
+        return 2
+    for line in warnings:
+        print(f"dsv4cp {command}: warning: {line}", file=sys.stderr)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; its exit status. Input errors print one line and return 2."""
     args = build_parser().parse_args(argv)
+    status = _check_environment(args.command)
+    if status is not None:
+        return status
     from dsv4cp.cp.guard import ENV_VAR as DEBUG_CP_ENV
 
     debug_cp = getattr(args, "debug_cp", False)
@@ -92,6 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.environ[DEBUG_CP_ENV] = saved
 
 
+def _clean_exit() -> bool:
+    from dsv4cp import env_vars
+
+    return bool(env_vars.read("DSV4CP_CLEAN_EXIT"))
+
+
 def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The `dsv4cp` entry point: `main`, then exit. After CUDA work the process leaves with
     `os._exit` once the device is idle and the output flushed: on the H200, interpreter teardown
@@ -100,11 +126,7 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
     normal teardown."""
     code = main(argv)
     torch = sys.modules.get("torch")
-    if (
-        torch is not None
-        and torch.cuda.is_initialized()
-        and os.environ.get("DSV4CP_CLEAN_EXIT", "") != "1"
-    ):
+    if torch is not None and torch.cuda.is_initialized() and not _clean_exit():
         try:
             torch.cuda.synchronize()
         except RuntimeError:

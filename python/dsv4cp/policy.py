@@ -12,9 +12,9 @@ the graph threshold (`max_tokens_graph`); the eager threshold has no variable.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
+from dsv4cp import env_vars
 from dsv4cp.roles import LayerRole
 
 log = logging.getLogger("dsv4cp.policy")
@@ -52,21 +52,10 @@ class MultistreamPolicy:
 
     @classmethod
     def from_env(cls, mode: str | None = None, max_tokens: int | None = None) -> MultistreamPolicy:
-        env_mode = os.environ.get("DSV4CP_MULTISTREAM")
-        env_max = os.environ.get("DSV4CP_MULTISTREAM_MAX_TOKENS")
-        if max_tokens is None and env_max:
-            try:
-                max_tokens = int(env_max)
-            except ValueError:
-                max_tokens = -1
-            if max_tokens < 0:
-                raise ValueError(
-                    f"DSV4CP_MULTISTREAM_MAX_TOKENS must be an integer >= 0, got {env_max!r}"
-                )
-        if mode in (None, "auto") and env_mode:
-            if env_mode not in MODES:
-                raise ValueError(f"DSV4CP_MULTISTREAM must be auto, on or off, got {env_mode!r}")
-            mode = env_mode
+        if max_tokens is None:
+            max_tokens = env_vars.read("DSV4CP_MULTISTREAM_MAX_TOKENS")
+        if mode in (None, "auto"):
+            mode = env_vars.read("DSV4CP_MULTISTREAM") or mode
         return cls(
             mode=mode or "auto",
             max_tokens_graph=DEFAULT_MAX_TOKENS_GRAPH if max_tokens is None else max_tokens,

@@ -15,13 +15,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-from dsv4cp import ops
+from dsv4cp import env_vars, ops
 from dsv4cp.ops import (
     apply_rope,
     candidate_blocks,
@@ -94,32 +93,17 @@ ROUTES.update(
 
 def kernel_backend_requested() -> bool:
     """False when DSV4CP_KERNELS=torch forces the ops twins."""
-    return _parse_backend(os.environ.get(ENV_FLAG, "triton"))
+    return bool(env_vars.read(ENV_FLAG) != "torch")
 
 
 def routes_off() -> frozenset[str]:
     """The routes DSV4CP_KERNELS_OFF (a comma list of ROUTES names) sends to their ops twins on
     CUDA: to bisect a GPU mismatch one kernel at a time (docs/performance.md, "GPU numerics")."""
-    return _parse_routes_off(os.environ.get(OFF_FLAG, ""))
-
-
-# Every routed call reads both flags: each raw value is parsed once (a changed value is a new key;
-# a bad one raises on every call, since lru_cache keeps no exceptions).
-@functools.lru_cache(maxsize=32)
-def _parse_backend(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value not in ("triton", "torch", ""):
-        raise ValueError(f"{ENV_FLAG} must be 'triton' or 'torch', got {value!r}")
-    return value != "torch"
-
-
-@functools.lru_cache(maxsize=32)
-def _parse_routes_off(raw: str) -> frozenset[str]:
-    names = {n.strip() for n in raw.split(",") if n.strip()}
+    names: frozenset[str] = env_vars.read(OFF_FLAG)
     unknown = sorted(names - ROUTES.keys())
     if unknown:
-        raise ValueError(f"{OFF_FLAG}: unknown routes {unknown}; known: {sorted(ROUTES)}")
-    return frozenset(names)
+        raise env_vars.EnvVarError(f"{OFF_FLAG}: unknown routes {unknown}; known: {sorted(ROUTES)}")
+    return names
 
 
 def use_kernels(x: Tensor, name: str | None = None) -> bool:

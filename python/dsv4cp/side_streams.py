@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from dsv4cp import env_vars
+
 __all__ = [
     "MODE_ENV",
     "SideStreamError",
@@ -229,9 +231,7 @@ _registry_lock = threading.Lock()
 
 
 def _build_registry() -> SideStreamRegistry:
-    wanted = os.environ.get(MODE_ENV, "auto").strip() or "auto"
-    if wanted not in ("auto", "external", "pool"):
-        raise ValueError(f"{MODE_ENV} must be auto, external or pool, got {wanted!r}")
+    wanted = env_vars.read(MODE_ENV)
     if wanted != "pool":
         for mode, make in (("runtime", _runtime_creator), ("driver", _driver_creator)):
             first = _first_stream(make)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dsv4cp import ops, routing
+from dsv4cp import env_vars, ops, routing
 from dsv4cp.kernels.attention import check_sparse_attention
 from dsv4cp.kernels.indexer_logits import check_mqa_logits
 from dsv4cp.kernels.topk import check_topk
@@ -156,9 +156,9 @@ def test_flags_are_parsed_once_per_value_and_a_changed_value_takes_effect(
     monkeypatch.delenv(routing.ENV_FLAG, raising=False)
     monkeypatch.setenv(routing.OFF_FLAG, "swa_key")
     assert routing.routes_off() == {"swa_key"}
-    hits = routing._parse_routes_off.cache_info().hits
+    hits = env_vars._parse.cache_info().hits
     assert routing.routes_off() == {"swa_key"}
-    assert routing._parse_routes_off.cache_info().hits == hits + 1
+    assert env_vars._parse.cache_info().hits == hits + 1
     assert not routing.use_kernels(cuda_like, "swa_key")
     assert routing.use_kernels(cuda_like, "fp8_linear")
     monkeypatch.setenv(routing.OFF_FLAG, "fp8_linear")
@@ -171,9 +171,9 @@ def test_flags_are_parsed_once_per_value_and_a_changed_value_takes_effect(
 
     monkeypatch.setenv(routing.ENV_FLAG, "torch")
     assert not routing.use_kernels(cuda_like, "fp8_linear")
-    hits = routing._parse_backend.cache_info().hits
+    hits = env_vars._parse.cache_info().hits
     assert not routing.kernel_backend_requested()
-    assert routing._parse_backend.cache_info().hits == hits + 1
+    assert env_vars._parse.cache_info().hits == hits + 1
     monkeypatch.setenv(routing.ENV_FLAG, "Triton ")
     assert routing.use_kernels(cuda_like, "fp8_linear")
     for _ in range(2):  # a bad value raises on every call, not only the first

@@ -191,6 +191,32 @@ def test_flags_that_apply_are_accepted() -> None:
     assert check_server_args(ok) == CPSettings(4, "interleave")
 
 
+def test_a_bad_dsv4cp_variable_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read lazily, DSV4CP_CHECK_WINDOW=yes-please failed the first forward in the scheduler;
+    now the server does not start (one line naming it), and a typo is a warning, logged once."""
+    monkeypatch.setenv("DSV4CP_CHECK_WINDOW", "yes-please")
+    with pytest.raises(Dsv4cpServerArgsError, match="^dsv4cp: DSV4CP_CHECK_WINDOW must be 1 or 0"):
+        check_server_args(_args())
+    monkeypatch.delenv("DSV4CP_CHECK_WINDOW")
+    monkeypatch.setenv("DSV4CP_KERNELS_OFF", "sparse_attn")
+    with pytest.raises(Dsv4cpServerArgsError, match=r"unknown routes \['sparse_attn'\]"):
+        check_server_args(_args())
+    monkeypatch.delenv("DSV4CP_KERNELS_OFF")
+    monkeypatch.setenv("DSV4CP_FLASHMLA_WORKSPACE", "2048")
+    with caplog.at_level("WARNING", logger="dsv4cp.integrations.sglang.server_args"):
+        check_server_args(_args())
+        check_server_args(_args())
+    said = [
+        r.getMessage() for r in caplog.records if "DSV4CP_FLASHMLA_WORKSPACE " in r.getMessage()
+    ]
+    assert said == [
+        "dsv4cp: DSV4CP_FLASHMLA_WORKSPACE is not a dsv4cp variable and changes nothing "
+        "(did you mean DSV4CP_FLASHMLA_WORKSPACE_MIB?)"
+    ]
+
+
 def test_graphs_are_bounded_by_the_served_context() -> None:
     """The graphs' max_context is the server's context (SGLang sets `context_len` on the HF
     config from --context-length), not the checkpoint's max_position_embeddings (1M at Flash)."""
@@ -469,6 +495,23 @@ def test_cli_hook_exits_with_one_line(sglang_with_plugin, capsys: pytest.Capture
     assert err[-1] == (
         "sglang serve: error: dsv4cp: --cp-strategy zigzag is not supported "
         "yet; use --cp-strategy interleave"
+    )
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed")
+def test_cli_hook_refuses_a_bad_dsv4cp_variable(
+    sglang_with_plugin, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("DSV4CP_FP8_GEMM", "cutlass")
+    with pytest.raises(SystemExit) as e:
+        sglang_with_plugin.prepare_server_args(
+            ["--model-path", str(UPSTREAM), "--device", "cpu", "--model-impl", "dsv4cp"]
+        )
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "sglang serve: error: dsv4cp: DSV4CP_FP8_GEMM must be one of auto, triton, cublas, "
+        "got 'cutlass'"
     )
 
 

@@ -363,7 +363,7 @@ def test_window_check_runs_on_cpu_by_default_and_follows_the_env(
     assert window_check_enabled(cpu) and window_check_enabled(cuda)
     monkeypatch.setenv(WINDOW_CHECK_ENV, "0")
     assert not window_check_enabled(cpu) and not window_check_enabled(cuda)
-    monkeypatch.setenv(WINDOW_CHECK_ENV, "yes")
+    monkeypatch.setenv(WINDOW_CHECK_ENV, "2")
     with pytest.raises(ValueError, match=WINDOW_CHECK_ENV):
         window_check_enabled(cpu)
 

@@ -13,7 +13,6 @@ On in tests, with `--debug-cp`, or with the environment variable `DSV4CP_DEBUG_C
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from dsv4cp import env_vars
 
 __all__ = [
     "ENV_VAR",
@@ -66,8 +67,9 @@ _DTYPES = (
 
 
 def debug_cp_enabled() -> bool:
-    """True when `DSV4CP_DEBUG_CP` is set to 1/true/yes/on."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    """True when `DSV4CP_DEBUG_CP` is set to 1/true/yes/on (0/false/no/off: not; anything else
+    is an EnvVarError)."""
+    return bool(env_vars.read(ENV_VAR))
 
 
 def resolve_check_order(flag: bool | None) -> bool:

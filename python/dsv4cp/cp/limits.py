@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from dsv4cp import env_vars
+
 __all__ = ["FAKE_MAX_RANKS", "GLOO_RANKS_PER_CPU", "MAX_RANKS_ENV", "check_cp_limit", "cp_limit"]
 
 GLOO_RANKS_PER_CPU = 4
@@ -24,15 +26,7 @@ MAX_RANKS_ENV = "DSV4CP_MAX_CP_RANKS"
 
 
 def _env_override() -> int | None:
-    text = os.environ.get(MAX_RANKS_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{MAX_RANKS_ENV} must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"{MAX_RANKS_ENV} must be a positive integer, got {value}")
+    value: int | None = env_vars.read(MAX_RANKS_ENV)
     return value
 
 

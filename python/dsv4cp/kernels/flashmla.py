@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv4cp import env_vars
 from dsv4cp.kernels import attention as triton_attention
 from dsv4cp.kernels import workspace_rows as k_rows
 from dsv4cp.kernels._triton import interpreting
@@ -76,7 +76,7 @@ def _version(mod: ModuleType) -> str:
 
 def _query_misfit(q: Tensor) -> str | None:
     """Why FlashMLA cannot take this query (or this process), or None."""
-    if os.environ.get(ENV_FLAG, "auto").strip().lower() in ("off", "0", "false", "no"):
+    if env_vars.read(ENV_FLAG) in ("off", "0", "false", "no"):
         return f"{ENV_FLAG}=off"
     mod = flash_mla_module()
     if mod is None:
@@ -245,8 +245,8 @@ def chunk_bound(sources: list[_CachedSource], rows: int) -> int:
 def chunks(t: int, sources: list[_CachedSource], row_bytes: int) -> list[tuple[int, int]]:
     """Query row ranges whose workspace bound fits the budget (WORKSPACE_BUDGET_BYTES, or
     $DSV4CP_FLASHMLA_WORKSPACE_MIB), halving the chunk down to MIN_CHUNK_ROWS."""
-    env = os.environ.get(WORKSPACE_ENV, "").strip()
-    budget = int(float(env) * (1 << 20)) if env else WORKSPACE_BUDGET_BYTES
+    mib = env_vars.read(WORKSPACE_ENV)
+    budget = WORKSPACE_BUDGET_BYTES if mib is None else int(mib * (1 << 20))
     step = max(t, 1)
     while step > MIN_CHUNK_ROWS and chunk_bound(sources, step) * row_bytes > budget:
         step = -(-step // 2)

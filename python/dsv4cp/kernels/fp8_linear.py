@@ -31,13 +31,12 @@ keeps this kernel for every size, `=cublas` takes cuBLAS for every size.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from dsv4cp import env_vars
 from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.kernels.fp8_dequant import dequant_fp8_blocks
 from dsv4cp.ops.linear import (
@@ -230,9 +229,7 @@ CUBLAS_MIN_ROWS = 512  # below it the weight's per-call dequantization is not pa
 
 
 def _gemm_backend(x: Tensor, out_dtype: torch.dtype) -> str:
-    mode = os.environ.get(FP8_GEMM_FLAG, "auto")
-    if mode not in ("auto", "triton", "cublas"):
-        raise ValueError(f"{FP8_GEMM_FLAG} must be auto, triton or cublas, got {mode!r}")
+    mode: str = env_vars.read(FP8_GEMM_FLAG)
     if mode != "auto":
         return mode
     rows = x.numel() // max(x.shape[-1], 1)

@@ -5,12 +5,12 @@ bf16 copies of a module's fp8 weights for the cuBLAS route (memory for time)."""
 
 from __future__ import annotations
 
-import os
 from typing import Literal, cast, get_args
 
 import torch
 from torch import Tensor, nn
 
+from dsv4cp import env_vars
 from dsv4cp.ops.linear import (
     WEIGHT_BLOCK,
     dequant_fp8_blocks,
@@ -161,7 +161,4 @@ def keep_dequantized_weights(module: nn.Module, keep: bool = True) -> int:
 
 def kept_weights_scope() -> KeptWeights:
     """$DSV4CP_KEEP_BF16_WEIGHTS: off (default), attention or all; anything else raises."""
-    value = os.environ.get(KEEP_BF16_ENV, "").strip().lower() or "off"
-    if value not in get_args(KeptWeights):
-        raise ValueError(f"{KEEP_BF16_ENV} must be one of {get_args(KeptWeights)}, got {value!r}")
-    return cast(KeptWeights, value)
+    return cast(KeptWeights, env_vars.read(KEEP_BF16_ENV))

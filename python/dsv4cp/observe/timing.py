@@ -10,7 +10,6 @@ replayed CUDA graph.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -21,12 +20,14 @@ from typing import Any
 
 import torch
 
+from dsv4cp import env_vars
+
 __all__ = ["StageTimer", "nvtx_range", "stage", "use_timer"]
 
 
 @cache
 def _nvtx_on() -> bool:
-    if os.environ.get("DSV4CP_NVTX", "1") == "0":
+    if not env_vars.read("DSV4CP_NVTX"):
         return False
     return torch.cuda.is_available()
 

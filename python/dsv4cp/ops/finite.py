@@ -6,10 +6,10 @@ forward only when debugging (`FINITE_CHECK_ENV`, read by `finite_check_requested
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from dsv4cp import env_vars
 
 __all__ = ["FINITE_CHECK_ENV", "check_finite", "finite_check_requested", "first_non_finite"]
 
@@ -18,10 +18,7 @@ FINITE_CHECK_ENV = "DSV4CP_CHECK_FINITE"
 
 def finite_check_requested() -> bool:
     """True when DSV4CP_CHECK_FINITE=1: check every layer's output of every forward."""
-    value = os.environ.get(FINITE_CHECK_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FINITE_CHECK_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return bool(env_vars.read(FINITE_CHECK_ENV))
 
 
 def first_non_finite(t: Tensor) -> tuple[tuple[int, ...], float, int] | None:

@@ -26,13 +26,13 @@ is tested on the GPU) with a stand-in ForwardBatch and no sglang installed:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dsv4cp import env_vars
 from dsv4cp.batch import build_metadata
 from dsv4cp.cache import KVCache
 from dsv4cp.context import ForwardContext
@@ -74,10 +74,8 @@ def window_check_enabled(device: torch.device) -> bool:
     build W − 1 positions per request on the host and wait for a device comparison: host time
     on every forward, not measured on a GPU server; the adapter already reads the batch's ids
     and positions on the host, so they add one more wait, not the first)."""
-    raw = os.environ.get(WINDOW_CHECK_ENV, "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{WINDOW_CHECK_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1" if raw else device.type != "cuda"
+    forced: bool | None = env_vars.read(WINDOW_CHECK_ENV)
+    return device.type != "cuda" if forced is None else forced
 
 
 def check_window_held(cache: KVCache, batch: SGLangBatch, window: int) -> None:

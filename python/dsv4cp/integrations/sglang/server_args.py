@@ -16,9 +16,11 @@ it reads a raw ServerArgs record or a resolving view, imports nothing from sglan
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4cp import env_vars
 from dsv4cp.config import UPSTREAM_MODEL_TYPE
 from dsv4cp.integrations.sglang import MODEL_TYPE
 
@@ -54,6 +56,10 @@ HOST_KV_FLAGS = (
     "enable_flexkv",
     "enable_unified_cache_external_linker",
 )
+
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # check_server_args runs twice per launch: each warning once
 
 
 class Dsv4cpServerArgsError(ValueError):
@@ -348,11 +354,29 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
 
 
 def check_server_args(args: Any) -> CPSettings:
-    """Validate the flags of a dsv4cp-served model; return its CP settings."""
+    """Validate the flags of a dsv4cp-served model and its DSV4CP_* environment (a bad value
+    would otherwise fail the first forward in the scheduler); return its CP settings."""
+    check_environment()
     for refused, message in _refusals(args):
         if refused:
             raise Dsv4cpServerArgsError(message)
     return cp_settings_from_server_args(args)
+
+
+def check_environment() -> None:
+    """Every set DSV4CP_* variable parsed (Dsv4cpServerArgsError names a bad one); an unknown
+    DSV4CP_* name is logged once as a warning."""
+    from dsv4cp.routing import routes_off
+
+    try:
+        warnings = env_vars.check_environment()
+        routes_off()
+    except ValueError as e:
+        raise Dsv4cpServerArgsError(f"dsv4cp: {e}") from None
+    for line in warnings:
+        if line not in _warned:
+            _warned.add(line)
+            logger.warning("dsv4cp: %s", line)
 
 
 def cp_settings_from_server_args(args: Any) -> CPSettings:
