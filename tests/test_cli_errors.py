@@ -39,6 +39,8 @@ CASES = [
     (["check", "--lens", "5", "--prefix", "5"], "prefix 5 must be in [0, 5)"),
     (["check", "--chunk", "-3"], "chunk must be >= 0"),
     (["check", "--multistream"], "--multistream and --graphs need --device cuda"),
+    (["check", "--quant", "qat", "--lens", "7"], "--quant qat needs a released-format checkpoint"),
+    (["demo", "--quant", "qat", "--lens", "7"], "give --checkpoint DIR, or --quant none"),
     (["demo", "--timeout", "0"], "argument --timeout: expected a finite number > 0.0"),
     (["demo", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
     (["demo", "--lens", "30", "--prefix", "0,1"], "--prefix needs one value per length"),
