@@ -353,6 +353,21 @@ def test_sglang_pools_and_planned_rows() -> None:
     assert swa_rows_planned(4096, 256, 0.1) == 256 + 512
 
 
+def test_a_swa_pool_below_a_window_and_a_chunk_is_warned_about() -> None:
+    from dsv4cp.integrations.sglang.model import small_swa_pool
+
+    said = small_swa_pool(32, 16, 64, 320, 0.1)  # the measured case: W 16, chunk 64
+    assert said is not None
+    assert "holds ~32 slots" in said and "(16 + 64 = 80)" in said
+    assert "--swa-full-tokens-ratio >= 0.25" in said
+    assert small_swa_pool(80, 16, 64, 320, 0.25) is None
+    assert small_swa_pool(102, 16, 64, 1024, 0.1) is None
+    # Flash: 16K chunks over a 128K pool at the default 0.1 are shrunk; over a 1M pool they fit
+    assert small_swa_pool(13107, 128, 16384, 131072, 0.1) is not None
+    assert small_swa_pool(104857, 128, 16384, 1048576, 0.1) is None
+    assert small_swa_pool(10, 16, None, 100, 0.1) is None  # nothing known to compare with
+
+
 def test_window_check_runs_on_cpu_by_default_and_follows_the_env(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

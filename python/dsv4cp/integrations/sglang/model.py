@@ -106,6 +106,30 @@ def swa_rows_planned(max_total_tokens: int, page_size: int, ratio: float) -> int
     return int(full * ratio) // page_size * page_size + 2 * page_size
 
 
+def small_swa_pool(
+    swa_rows: int, window: int, chunk: int | None, max_total_tokens: int, ratio: float
+) -> str | None:
+    """A warning when SGLang's SWA pool holds fewer slots than one window plus one prefill chunk
+    (`chunk` None: chunked prefill off, a whole prompt), else None. SGLang then shrinks prefill
+    chunks to the free SWA slots, and under load a decode step can find no slot: measured on CPU
+    (tiny model, W = 16, chunk 64, 34 SWA slots, 10 concurrent requests) SGLang 0.5.23 aborted a
+    request with HTTP 500, "Out of memory even after retracting all other requests"; with 102
+    slots the same load retracted requests and every answer equalled the runner's."""
+    if chunk is None:
+        return None
+    need = window + chunk
+    if swa_rows >= need:
+        return None
+    return (
+        f"dsv4cp: SGLang's SWA pool holds ~{swa_rows} slots (--swa-full-tokens-ratio {ratio:g} x "
+        f"--max-total-tokens {max_total_tokens}), fewer than one window plus one prefill chunk "
+        f"({window} + {chunk} = {need}): prefill chunks are shrunk to the free SWA slots, and "
+        "under load SGLang may abort a decoding request with HTTP 500 (out of memory after "
+        f"retracting); give --swa-full-tokens-ratio >= {need / max_total_tokens:.3g} or a larger "
+        "--max-total-tokens"
+    )
+
+
 def served_context(hf_config: object) -> int | None:
     """The longest request the server admits: SGLang's `context_len` (its `--context-length`,
     else the one it derives), which it sets on the model's HF config; max_position_embeddings
@@ -150,7 +174,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "checkpoint from a local directory (download it first)"
             )
         self.cp = SGLangCP(CPSettings())  # no CP unless SGLang published its CP flags
-        max_total_tokens, page_size, context, swa_ratio = self._read_server_args()
+        max_total_tokens, page_size, context, swa_ratio, chunk = self._read_server_args()
         self.dsv4cp = DeepseekV41Model(
             self.dsv4cp_config,
             dtype=torch.get_default_dtype(),
@@ -183,19 +207,31 @@ class DeepseekV41ForCausalLM(nn.Module):
             swa_rows = None
             if swa_ratio is not None:
                 swa_rows = swa_rows_planned(max_total_tokens, page_size, swa_ratio)
+                why = small_swa_pool(
+                    swa_rows - 2 * page_size,  # the pool's slots, without the page padding
+                    self.dsv4cp_config.sliding_window,
+                    chunk or context,
+                    max_total_tokens,
+                    swa_ratio,
+                )
+                if why:
+                    logger.warning(why)
             self._preallocate(max_total_tokens + 2 * page_size, page_size, swa_rows)
 
     # ------------------------------------------------------------------ setup
-    def _read_server_args(self) -> tuple[int | None, int, int | None, float | None]:
+    def _read_server_args(
+        self,
+    ) -> tuple[int | None, int, int | None, float | None, int | None]:
         """(max_total_tokens or None, page size, context length, the SWA pool's
-        `--swa-full-tokens-ratio` or None without hybrid-SWA pools) from SGLang's published
-        config; the CP group from its CP flags."""
+        `--swa-full-tokens-ratio` or None without hybrid-SWA pools, the prefill chunk or None
+        when chunked prefill is off) from SGLang's published config; the CP group from its CP
+        flags."""
         try:
             from sglang.srt.runtime_context import get_memory, get_schedule
 
             schedule = get_schedule()
         except Exception:  # not published (the class built by hand, outside a server)
-            return None, 1, None, None
+            return None, 1, None, None, None
         self.cp = SGLangCP.from_runtime()
         page_size = getattr(schedule, "page_size", None) or 1
         max_total = getattr(schedule, "max_total_tokens", None)
@@ -209,7 +245,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         disabled = any(_flag(bag, "disable_hybrid_swa_memory") for bag in (schedule, get_memory()))
         if getattr(self.config, "is_hybrid_swa", False) and not disabled:
             swa_ratio = float(schedule.swa_full_tokens_ratio)
-        return max_total, page_size, context, swa_ratio
+        chunk = getattr(schedule, "chunked_prefill_size", None)
+        return max_total, page_size, context, swa_ratio, chunk if chunk and chunk > 0 else None
 
     def _preallocate(self, num_slots: int, page_size: int, swa_rows: int | None) -> None:
         e = self.engine
