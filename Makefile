@@ -10,6 +10,7 @@ SGL_PY := $(SGL_VENV)/bin/python
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@echo "make: installing dsv4cp and torch into $(VENV) (about 3 min the first time; pip runs quietly)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -21,6 +22,7 @@ install-sglang: $(SGL_VENV)/.installed
 # site-packages), so torch, triton and the CUDA wheels (~5 GB) are installed once, not twice;
 # what sglang pins differently is installed into .venv-sglang and shadows the core copy.
 $(SGL_VENV)/.installed: pyproject.toml $(VENV)/.installed
+	@echo "make: installing sglang 0.5.23 into $(SGL_VENV) (about 6 min, ~5 GB; pip runs quietly)"
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PY) -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "dsv4cp_core_venv.pth").write_text(sys.argv[1] + "\n")' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(SGL_PY) -m pip install -q --upgrade pip
