@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from dsv4cp.integrations.sglang.request_validation import (
+    chat_request_error,
+    detokenize_request_error,
     validate_generate_request,
     validate_request_ids,
 )
@@ -188,6 +190,48 @@ def test_sampling_params_must_be_an_object_for_one_prompt(params: object) -> Non
     """A list for one prompt passed SGLang's schema, then its check called .get on it: 500."""
     with pytest.raises(ValueError, match="sampling_params must be an object for a single prompt"):
         validate_generate_request(_item(sampling_params=params), [1], vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({}, None),
+        ({"max_completion_tokens": 1}, None),
+        ({"max_tokens": 5, "max_completion_tokens": None}, None),
+        # `max_completion_tokens or max_tokens`: a 0 was dropped, the answer ran to the context
+        ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1, got 0"),
+        ({"max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"max_completion_tokens": 4, "max_tokens": -1}, "max_tokens"),
+        ({"max_completion_tokens": True}, "max_completion_tokens"),
+    ],
+)
+def test_chat_output_budget(fields: dict, error: str | None) -> None:
+    request = SimpleNamespace(**{"max_completion_tokens": None, "max_tokens": None, **fields})
+    got = chat_request_error(request)
+    assert (got is None) if error is None else (got is not None and error in got), got
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [
+        ([5, 6], None),
+        ([[5], [VOCAB - 1]], None),
+        ([], None),
+        ("abc", None),  # SGLang's own type check
+        ([-1], -1),
+        ([2**40], 2**40),
+        ([5, VOCAB], VOCAB),  # decoded to nothing
+        ([[5], [6, -3]], -3),
+    ],
+)
+def test_detokenize_ids_in_vocabulary(tokens: object, bad: int | None) -> None:
+    """A negative id or one past 2**32 - 1 failed in the tokenizer's decode: HTTP 500."""
+    got = detokenize_request_error(tokens, VOCAB)
+    if bad is None:
+        assert got is None
+    else:
+        assert got == f"tokens: {bad} is not a token id in the vocabulary [0, {VOCAB})"
 
 
 def test_input_embeds_without_ids_is_refused() -> None:

@@ -365,16 +365,25 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        # 500 before dsv4cp's checks (SGLang's stop_regex parse):
+        # 500 before dsv4cp's checks (the tokenizer's decode, SGLang's stop_regex parse):
+        ("/v1/detokenize", {"tokens": [-1]}),
+        ("/v1/detokenize", {"tokens": [[5], [2**40]]}),
         ("/v1/chat/completions", {**CHAT, "stop_regex": "(("}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stop_regex": "(("}),
+        # Served before dsv4cp's checks: 0 was dropped, the answer ran to the context length
+        ("/v1/chat/completions", {**CHAT, "max_tokens": None, "max_completion_tokens": 0}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 0}),
         # Sampled token 0 (penalty 0 in float32) / every answer empty (stop ""):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "repetition_penalty": 1e-300}),
         ("/v1/chat/completions", {**CHAT, "stop": ""}),
     ],
     ids=[
+        "detokenize-negative",
+        "detokenize-huge",
         "chat-stop-regex-invalid",
         "completions-stop-regex-invalid",
+        "chat-max-completion-tokens-zero",
+        "chat-max-tokens-zero",
         "completions-repetition-penalty-underflow",
         "chat-stop-empty",
     ],

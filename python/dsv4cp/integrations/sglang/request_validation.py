@@ -18,19 +18,22 @@ Three classes of defect are covered:
   files the items under their ids); `n` (samples per prompt) outside [1, 128] (0 failed with
   "range() arg 3 must not be zero", a negative n was served as 1, n = 100000 queued that many
   sequences and stalled the server); `sampling_params` a list for a single prompt, a
-  `stop_regex` that does not compile (500s in the tokenizer manager);
+  `stop_regex` that does not compile (500s in the tokenizer manager); on the OpenAI
+  endpoints, `/v1/detokenize` ids outside the vocabulary (a negative one: 500);
 - a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
   within ±1e30 (an infinite bias, e.g. 1e39 in float32, turns a sampled row's probabilities to
   NaN and the sampler returns token 0), a `repetition_penalty` below 1e-6 (0 or subnormal in
   float32: a repeated token's logit becomes inf or NaN, the same token 0), a bool in
   `token_ids_logprob` (read as token 0 or 1: SGLang's HTTP schema refuses bools, its
   tokenizer manager's check, which Python `Engine` callers meet alone, counts them as ints),
-  an empty `stop` string or `stop_regex` (matches at once: every answer empty);
+  an empty `stop` string or `stop_regex` (matches at once: every answer empty), an OpenAI
+  chat `max_completion_tokens` / `max_tokens` of 0 (dropped: the answer ran to the context);
 - a field SGLang accepts but a dsv4cp-served model cannot honour, which would be ignored
   silently: `input_embeds` (the model embeds token ids itself), multimodal data, positional
   embedding overrides, LoRA adapters, routed-expert or indexer top-k returns.
 
-Pure: reads attributes of SGLang's `GenerateReqInput` item, imports nothing from sglang.
+Pure: reads attributes of SGLang's `GenerateReqInput` item (or OpenAI request), imports nothing
+from sglang.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ from collections.abc import Callable, Sequence
 
 from dsv4cp.config_fields import is_finite_number, is_int
 
-__all__ = ["validate_generate_request", "validate_request_ids"]
+__all__ = [
+    "chat_request_error",
+    "detokenize_request_error",
+    "validate_generate_request",
+    "validate_request_ids",
+]
 
 
 def _is_opt_str(v: object) -> bool:
@@ -244,6 +252,32 @@ def _check_stops(stop: object, stop_regex: object) -> None:
             re.compile(pattern)
         except (re.error, OverflowError, RecursionError, ValueError) as e:
             raise ValueError(f"stop_regex {pattern!r} is not a valid pattern: {e}") from None
+
+
+def chat_request_error(request: object) -> str | None:
+    """An OpenAI chat request's `max_completion_tokens` / `max_tokens` when given: at least 1.
+    SGLang reads `max_completion_tokens or max_tokens`: a 0 was dropped, and the answer ran to
+    the context length (or to the other field)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = getattr(request, name, None)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return f"{name} must be at least 1, got {v!r}"
+    return None
+
+
+def detokenize_request_error(tokens: object, vocab_size: int) -> str | None:
+    """`/v1/detokenize` tokens (a list of ids, or of lists of ids): ids in the vocabulary. A
+    negative id or one above 2**32 - 1 failed in the tokenizer's decode (HTTP 500); one between
+    the vocabulary and 2**32 decoded to nothing."""
+    nested = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+    rows: list = tokens if nested else [tokens]  # type: ignore[assignment]
+    for row in rows:
+        if not isinstance(row, list):
+            continue  # SGLang refuses other shapes itself
+        bad = next((t for t in row if is_int(t) and not _in_vocab(t, vocab_size)), None)
+        if bad is not None:
+            return f"tokens: {bad!r} is not a token id in the vocabulary [0, {vocab_size})"
+    return None
 
 
 def validate_request_ids(obj: object) -> None:
