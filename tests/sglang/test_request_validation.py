@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from dsv4cp.integrations.sglang.request_validation import (
+    chat_request_error,
+    detokenize_request_error,
     validate_generate_request,
     validate_request_ids,
 )
@@ -148,6 +150,19 @@ def test_prompt_tokens_must_be_vocabulary_ids(ids: list) -> None:
         ({"logit_bias": {"9": -1e31}}, "logit_bias"),
         ({"logit_bias": {"9": "1"}}, "logit_bias"),
         ({"logit_bias": {"9": True}}, "logit_bias"),
+        # 0 or subnormal in float32: a repeated token's logit became inf / NaN (token 0)
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"repetition_penalty": 9e-7}, "repetition_penalty"),
+        # an empty stop string / pattern matched at once: every answer was empty
+        ({"stop": ""}, "stop: an empty string"),
+        ({"stop": ["a", ""]}, "stop: an empty string"),
+        ({"stop_regex": ""}, "stop_regex: an empty pattern"),
+        # SGLang's normalisation raised re.error / OverflowError: HTTP 500
+        ({"stop_regex": "[a-"}, "stop_regex '\\[a-' is not a valid pattern"),
+        ({"stop_regex": ["a", "(("]}, "stop_regex"),
+        ({"stop_regex": "a{4294967296}"}, "stop_regex"),
+        ({"stop_regex": "(?P<x"}, "stop_regex"),
     ],
 )
 def test_bad_logprob_or_sampling_field_is_refused(fields: dict, match: str) -> None:
@@ -156,6 +171,67 @@ def test_bad_logprob_or_sampling_field_is_refused(fields: dict, match: str) -> N
     item = _item(sampling_params={"max_new_tokens": 4, **params}, **tids)
     with pytest.raises(ValueError, match=match):
         validate_generate_request(item, [1, 2], vocab_size=VOCAB)
+
+
+def test_sampling_edge_values_within_bounds_pass() -> None:
+    params = {
+        "repetition_penalty": 1e-6,
+        "stop": ["a", "b"],
+        "stop_regex": ["(a)\\1", "(?<=a)b", "x{1,3}", "a" * 300],  # > 256 bytes: SGLang's
+    }
+    validate_generate_request(_item(sampling_params=params), [1], vocab_size=VOCAB)
+    for penalty in (2.0, 1.0, 0.5, None):  # 0 and negatives: SGLang's own (0, 2] check
+        item = _item(sampling_params={"repetition_penalty": penalty, "stop": "x"})
+        validate_generate_request(item, [1], vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("params", [[{"max_new_tokens": 3}], [], ({},), "x"])
+def test_sampling_params_must_be_an_object_for_one_prompt(params: object) -> None:
+    """A list for one prompt passed SGLang's schema, then its check called .get on it: 500."""
+    with pytest.raises(ValueError, match="sampling_params must be an object for a single prompt"):
+        validate_generate_request(_item(sampling_params=params), [1], vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({}, None),
+        ({"max_completion_tokens": 1}, None),
+        ({"max_tokens": 5, "max_completion_tokens": None}, None),
+        # `max_completion_tokens or max_tokens`: a 0 was dropped, the answer ran to the context
+        ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1, got 0"),
+        ({"max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"max_completion_tokens": 4, "max_tokens": -1}, "max_tokens"),
+        ({"max_completion_tokens": True}, "max_completion_tokens"),
+    ],
+)
+def test_chat_output_budget(fields: dict, error: str | None) -> None:
+    request = SimpleNamespace(**{"max_completion_tokens": None, "max_tokens": None, **fields})
+    got = chat_request_error(request)
+    assert (got is None) if error is None else (got is not None and error in got), got
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [
+        ([5, 6], None),
+        ([[5], [VOCAB - 1]], None),
+        ([], None),
+        ("abc", None),  # SGLang's own type check
+        ([-1], -1),
+        ([2**40], 2**40),
+        ([5, VOCAB], VOCAB),  # decoded to nothing
+        ([[5], [6, -3]], -3),
+    ],
+)
+def test_detokenize_ids_in_vocabulary(tokens: object, bad: int | None) -> None:
+    """A negative id or one past 2**32 - 1 failed in the tokenizer's decode: HTTP 500."""
+    got = detokenize_request_error(tokens, VOCAB)
+    if bad is None:
+        assert got is None
+    else:
+        assert got == f"tokens: {bad} is not a token id in the vocabulary [0, {VOCAB})"
 
 
 def test_input_embeds_without_ids_is_refused() -> None:

@@ -2,10 +2,11 @@
 
 Checks greedy output against dsv4cp's own runner (lengths across the chunked-prefill size, a
 radix-cache hit), 32 concurrent requests with shared prefixes against the same requests sent
-alone, malformed requests (4xx, among them those that killed SGLang 0.5.23's scheduler; the
-server keeps answering identically), `dsv4cp accuracy`, clean shutdown on SIGTERM and SIGINT,
-and unsupported flags refused at startup in one line (on the released-format fixture with
-`--model-impl dsv4cp`; that checkpoint's serving tests are in test_released.py).
+alone, malformed requests on /generate and the OpenAI endpoints (4xx, among them those that
+killed SGLang 0.5.23's scheduler; the server keeps answering identically), `dsv4cp accuracy`,
+clean shutdown on SIGTERM and SIGINT, and unsupported flags refused at startup in one line (on
+the released-format fixture with `--model-impl dsv4cp`; that checkpoint's serving tests are in
+test_released.py).
 """
 
 from __future__ import annotations
@@ -307,6 +308,14 @@ def _gen_with(**sampling: object) -> dict:
         # Queued 100,000 sequences (the server answered nothing else for minutes); served as 1:
         _gen_with(n=100_000),
         _gen_with(n=-2),
+        # 500 before dsv4cp's checks (SGLang's own check / normalisation raised):
+        {**GEN, "sampling_params": [{"max_new_tokens": 4}]},
+        _gen_with(stop_regex="[a-"),
+        _gen_with(stop_regex="a{4294967296}"),
+        # Sampled token 0 with null logprobs after the first step (penalty 0 in float32):
+        {**_gen_with(temperature=1.0, repetition_penalty=1e-40), "return_logprob": True},
+        # Matched at once: every answer empty:
+        _gen_with(stop=["", "a"]),
         # Accepted, then ignored or not honoured by the model, before dsv4cp's checks:
         {**GEN, "return_logprob": True, "top_logprobs_num": -1},
         {**GEN, "image_data": "http://127.0.0.1:1/x.png"},
@@ -334,6 +343,11 @@ def _gen_with(**sampling: object) -> dict:
         "batch-lora-short",
         "n-huge",
         "n-negative",
+        "sampling-params-list-single-prompt",
+        "stop-regex-invalid",
+        "stop-regex-overflow",
+        "repetition-penalty-underflow",
+        "stop-empty-string",
         "top-logprobs-negative",
         "image-data",
         "routed-experts",
@@ -341,6 +355,43 @@ def _gen_with(**sampling: object) -> dict:
 )
 def test_malformed_request_is_4xx(server: Server, baseline: list[int], body: bytes | dict) -> None:
     status, out = _post(server.url + "/generate", body)
+    assert 400 <= status < 500, (status, out)
+    _still_serving(server, baseline)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # 500 before dsv4cp's checks (the tokenizer's decode, SGLang's stop_regex parse):
+        ("/v1/detokenize", {"tokens": [-1]}),
+        ("/v1/detokenize", {"tokens": [[5], [2**40]]}),
+        ("/v1/chat/completions", {**CHAT, "stop_regex": "(("}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stop_regex": "(("}),
+        # Served before dsv4cp's checks: 0 was dropped, the answer ran to the context length
+        ("/v1/chat/completions", {**CHAT, "max_tokens": None, "max_completion_tokens": 0}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 0}),
+        # Sampled token 0 (penalty 0 in float32) / every answer empty (stop ""):
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "repetition_penalty": 1e-300}),
+        ("/v1/chat/completions", {**CHAT, "stop": ""}),
+    ],
+    ids=[
+        "detokenize-negative",
+        "detokenize-huge",
+        "chat-stop-regex-invalid",
+        "completions-stop-regex-invalid",
+        "chat-max-completion-tokens-zero",
+        "chat-max-tokens-zero",
+        "completions-repetition-penalty-underflow",
+        "chat-stop-empty",
+    ],
+)
+def test_malformed_openai_request_is_4xx(
+    server: Server, baseline: list[int], path: str, body: dict
+) -> None:
+    status, out = _post(server.url + path, body)
     assert 400 <= status < 500, (status, out)
     _still_serving(server, baseline)
 

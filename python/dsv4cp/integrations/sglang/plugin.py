@@ -20,7 +20,8 @@ checkpoint launched with `--model-impl dsv4cp`):
      traceback from inside SGLang's resolution;
    - `ModelConfig.__init__`: `--model-impl dsv4cp` selects the "dsv4cp" config parser;
    - request validation (`TokenizerManager._validate_one_request` per item, `_init_req_state`
-     for the request ids): request_validation.py;
+     for the request ids; the OpenAI chat and detokenize handlers' `_validate_request`):
+     request_validation.py;
    - chat encoding: SGLang picks DeepSeek-V4.1's own chat encoder ("dsv41" recipe) for any
      architecture name containing "DeepseekV41" (`entrypoints/openai/chat_encoding.py`), which
      needs DeepSeek's special tokens at server start; a checkpoint whose tokenizer lacks them
@@ -111,6 +112,11 @@ _CHAT_SPEC_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_en
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _VALIDATE_TARGET = f"{_TOKENIZER_MANAGER}._validate_one_request"
 _REQ_STATE_TARGET = f"{_TOKENIZER_MANAGER}._init_req_state"
+_OPENAI = "sglang.srt.entrypoints.openai"
+_CHAT_VALIDATE_TARGET = f"{_OPENAI}.serving_chat.OpenAIServingChat._validate_request"
+_DETOKENIZE_VALIDATE_TARGET = (
+    f"{_OPENAI}.serving_tokenize.OpenAIServingDetokenize._validate_request"
+)
 _MODEL_CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
 _PREPARE_TARGET = "sglang.srt.server_args.prepare_server_args"
 
@@ -123,6 +129,8 @@ def _register_hooks() -> None:
     HookRegistry.register(_CHAT_SPEC_TARGET, chat_encoding_spec, HookType.AROUND)
     HookRegistry.register(_VALIDATE_TARGET, validate_request, HookType.AROUND)
     HookRegistry.register(_REQ_STATE_TARGET, validate_request_ids, HookType.AROUND)
+    HookRegistry.register(_CHAT_VALIDATE_TARGET, validate_chat_request, HookType.AROUND)
+    HookRegistry.register(_DETOKENIZE_VALIDATE_TARGET, validate_detokenize_request, HookType.AROUND)
     HookRegistry.register(_MODEL_CONFIG_TARGET, model_config_init, HookType.AROUND)
     HookRegistry.register(_PREPARE_TARGET, prepare_server_args, HookType.AROUND)
 
@@ -205,6 +213,29 @@ def validate_request_ids(
 
         check(obj)
     return original(manager, obj, *args, **kwargs)
+
+
+def validate_chat_request(original, handler: object, request: object) -> str | None:
+    """AROUND hook: SGLang's checks of an OpenAI chat request, then dsv4cp's (an error string
+    becomes HTTP 400)."""
+    error = original(handler, request)
+    if error or not _serves_dsv4cp(getattr(handler, "tokenizer_manager", None)):
+        return error
+    from dsv4cp.integrations.sglang.request_validation import chat_request_error
+
+    return chat_request_error(request)
+
+
+def validate_detokenize_request(original, handler: object, request: object) -> str | None:
+    """AROUND hook: `/v1/detokenize` token ids checked against the vocabulary."""
+    error = original(handler, request)
+    manager = getattr(handler, "tokenizer_manager", None)
+    if error or not _serves_dsv4cp(manager):
+        return error
+    from dsv4cp.integrations.sglang.request_validation import detokenize_request_error
+
+    vocab = int(manager.model_config.vocab_size)  # type: ignore[union-attr]
+    return detokenize_request_error(getattr(request, "tokens", None), vocab)
 
 
 def chat_encoding_spec(original, *args: object, **kwargs: object) -> object:

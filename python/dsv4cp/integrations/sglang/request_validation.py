@@ -17,26 +17,38 @@ Three classes of defect are covered:
   `validate_request_ids`, run after batch normalisation, before SGLang splits the batch and
   files the items under their ids); `n` (samples per prompt) outside [1, 128] (0 failed with
   "range() arg 3 must not be zero", a negative n was served as 1, n = 100000 queued that many
-  sequences and stalled the server);
+  sequences and stalled the server); `sampling_params` a list for a single prompt, a
+  `stop_regex` that does not compile (500s in the tokenizer manager); on the OpenAI
+  endpoints, `/v1/detokenize` ids outside the vocabulary (a negative one: 500);
 - a field SGLang accepts and then answers wrongly: a `logit_bias` value that is not a number
   within ±1e30 (an infinite bias, e.g. 1e39 in float32, turns a sampled row's probabilities to
-  NaN and the sampler returns token 0), a bool in `token_ids_logprob` (read as token 0 or 1:
-  SGLang's HTTP schema refuses bools, its tokenizer manager's check, which Python `Engine`
-  callers meet alone, counts them as ints);
+  NaN and the sampler returns token 0), a `repetition_penalty` below 1e-6 (0 or subnormal in
+  float32: a repeated token's logit becomes inf or NaN, the same token 0), a bool in
+  `token_ids_logprob` (read as token 0 or 1: SGLang's HTTP schema refuses bools, its
+  tokenizer manager's check, which Python `Engine` callers meet alone, counts them as ints),
+  an empty `stop` string or `stop_regex` (matches at once: every answer empty), an OpenAI
+  chat `max_completion_tokens` / `max_tokens` of 0 (dropped: the answer ran to the context);
 - a field SGLang accepts but a dsv4cp-served model cannot honour, which would be ignored
   silently: `input_embeds` (the model embeds token ids itself), multimodal data, positional
   embedding overrides, LoRA adapters, routed-expert or indexer top-k returns.
 
-Pure: reads attributes of SGLang's `GenerateReqInput` item, imports nothing from sglang.
+Pure: reads attributes of SGLang's `GenerateReqInput` item (or OpenAI request), imports nothing
+from sglang.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from dsv4cp.config_fields import is_finite_number, is_int
 
-__all__ = ["validate_generate_request", "validate_request_ids"]
+__all__ = [
+    "chat_request_error",
+    "detokenize_request_error",
+    "validate_generate_request",
+    "validate_request_ids",
+]
 
 
 def _is_opt_str(v: object) -> bool:
@@ -108,6 +120,14 @@ MAX_PARALLEL_SAMPLES = 128
 # |bias| / temperature stays finite in float32 for every sampled temperature (>= 1e-6; below
 # that SGLang samples greedily): 1e30 / 1e-6 = 1e36 < 3.4e38.
 _LOGIT_BIAS_LIMIT = 1e30
+# SGLang divides a repeated token's positive logit by the repetition penalty (in float32, before
+# the bias and the temperature): a penalty in (0, 1e-6) turns into 0 or a subnormal and the logit
+# into inf or NaN (sampled token 0, null logprobs). From 1e-6 on, a logit up to 1e20 stays
+# finite through penalty, bias and temperature: (1e20 / 1e-6 + 1e30) / 1e-6 ~ 1e36 < 3.4e38.
+_REPETITION_PENALTY_MIN = 1e-6
+# SGLang 0.5.23 refuses a stop_regex over 256 UTF-8 bytes itself; longer ones are not compiled
+# here (a 1 MB pattern takes seconds to compile).
+_STOP_REGEX_MAX_BYTES = 256
 
 
 def _present(v: object) -> bool:
@@ -138,7 +158,13 @@ def validate_generate_request(
             f"got {top!r}"
         )
     _check_token_ids_logprob(getattr(obj, "token_ids_logprob", None), vocab_size)
-    _check_sampling_params(getattr(obj, "sampling_params", None), vocab_size)
+    params = getattr(obj, "sampling_params", None)
+    if params is not None and not isinstance(params, dict):
+        # a list for one prompt: SGLang's own check calls .get on it (HTTP 500)
+        raise ValueError(
+            f"sampling_params must be an object for a single prompt, got {type(params).__name__}"
+        )
+    _check_sampling_params(params, vocab_size)
     if input_ids is None:
         return
     if len(input_ids) == 0:  # e.g. text "": an empty extend would reach the model
@@ -185,6 +211,13 @@ def _check_sampling_params(params: object, vocab_size: int) -> None:
             raise ValueError(
                 f"stop_token_ids: {bad[0]!r} is not a token id in the vocabulary [0, {vocab_size})"
             )
+    _check_stops(params.get("stop"), params.get("stop_regex"))
+    penalty = params.get("repetition_penalty")
+    if isinstance(penalty, (int, float)) and 0 < penalty < _REPETITION_PENALTY_MIN:
+        raise ValueError(
+            f"repetition_penalty must be at least {_REPETITION_PENALTY_MIN:g} (1.0: no penalty), "
+            f"got {penalty!r}"
+        )
     top_k = params.get("top_k")
     if isinstance(top_k, (int, float)) and not isinstance(top_k, bool) and top_k > _INT32_MAX:
         raise ValueError(f"top_k must be at most {_INT32_MAX} (-1: no top-k), got {top_k!r}")
@@ -196,6 +229,55 @@ def _check_sampling_params(params: object, vocab_size: int) -> None:
                     f"logit_bias[{key!r}] must be a number in [-{_LOGIT_BIAS_LIMIT:g}, "
                     f"{_LOGIT_BIAS_LIMIT:g}], got {value!r}"
                 )
+
+
+def _as_list(v: object) -> list:
+    return [v] if isinstance(v, str) else list(v) if isinstance(v, (list, tuple)) else []
+
+
+def _check_stops(stop: object, stop_regex: object) -> None:
+    """Stop strings and patterns: none empty (an empty one matches at once and every answer is
+    empty); every pattern compiles (SGLang's normalisation parses them unguarded: an invalid one
+    raised re.error or OverflowError, HTTP 500). Types and lengths are SGLang's own check."""
+    if any(s == "" for s in _as_list(stop)):
+        raise ValueError("stop: an empty string matches at once (every answer would be empty)")
+    for pattern in _as_list(stop_regex):
+        if not isinstance(pattern, str) or len(pattern.encode()) > _STOP_REGEX_MAX_BYTES:
+            continue
+        if pattern == "":
+            raise ValueError(
+                "stop_regex: an empty pattern matches at once (every answer would be empty)"
+            )
+        try:
+            re.compile(pattern)
+        except (re.error, OverflowError, RecursionError, ValueError) as e:
+            raise ValueError(f"stop_regex {pattern!r} is not a valid pattern: {e}") from None
+
+
+def chat_request_error(request: object) -> str | None:
+    """An OpenAI chat request's `max_completion_tokens` / `max_tokens` when given: at least 1.
+    SGLang reads `max_completion_tokens or max_tokens`: a 0 was dropped, and the answer ran to
+    the context length (or to the other field)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = getattr(request, name, None)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return f"{name} must be at least 1, got {v!r}"
+    return None
+
+
+def detokenize_request_error(tokens: object, vocab_size: int) -> str | None:
+    """`/v1/detokenize` tokens (a list of ids, or of lists of ids): ids in the vocabulary. A
+    negative id or one above 2**32 - 1 failed in the tokenizer's decode (HTTP 500); one between
+    the vocabulary and 2**32 decoded to nothing."""
+    nested = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+    rows: list = tokens if nested else [tokens]  # type: ignore[assignment]
+    for row in rows:
+        if not isinstance(row, list):
+            continue  # SGLang refuses other shapes itself
+        bad = next((t for t in row if is_int(t) and not _in_vocab(t, vocab_size)), None)
+        if bad is not None:
+            return f"tokens: {bad!r} is not a token id in the vocabulary [0, {vocab_size})"
+    return None
 
 
 def validate_request_ids(obj: object) -> None:
