@@ -43,6 +43,8 @@ CASES = [
     (["demo", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
     (["demo", "--lens", "30", "--prefix", "0,1"], "--prefix needs one value per length"),
     (["demo", "--graphs"], "--multistream and --graphs need --device cuda"),
+    (["check", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
+    (["demo", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
     (["profile", "--lens", "0"], "argument --lens: expected positive integers, got 0"),
     (["profile", "--lens", "-4"], "argument --lens: expected positive integers, got -4"),
     (["profile", "--lens", "20000"], "too large for the CPU reference"),

@@ -33,7 +33,7 @@ from dsv4cp.config import (
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
 from dsv4cp.graphs.runner import GraphConfig
-from dsv4cp.model import DeepseekV41Model
+from dsv4cp.model import DeepseekV41Model, check_supported
 from dsv4cp.observe.timing import StageTimer
 from dsv4cp.runner import PrefillRunner
 
@@ -86,6 +86,10 @@ class Scenario:
         object.__setattr__(self, "prefix", tuple(prefix))
         if self.chunk < 0:
             raise ValueError("chunk must be >= 0")
+        try:  # e.g. --quant qat for a config without quantized storage: refused before any run
+            check_supported(self.config, self.quant)  # type: ignore[arg-type]
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
 
     def prompts(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(1000 + self.seed)
