@@ -154,7 +154,9 @@ def compare_reference(
     missing = (
         "answer has no meta_info"
         if not isinstance(meta, dict)
-        else incomplete_answer(meta, prompt_len=p, new_tokens=n, top_k=top_k)
+        else incomplete_answer(
+            meta, prompt_len=p, new_tokens=n, top_k=top_k, vocab=int(ref.prefill_lp.shape[-1])
+        )
     )
     if missing is not None:
         report.checks.append(Check("complete answer", missing[:60], "-", False))
