@@ -243,3 +243,22 @@ def test_checkpoint_given_a_dsv4cp_export_says_so(
     for command in ("check", "demo"):
         argv = [command, "--checkpoint", str(d), "--quant", quant]
         _one_error(argv, f"{d} is a dsv4cp export", capsys)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("command", ["check", "demo", "reference-check"])
+def test_checkpoint_given_as_a_file_is_named_as_such(
+    command: str, name: str, capsys: pytest.CaptureFixture
+) -> None:
+    """--checkpoint naming a file of the checkpoint (its index, its config.json): said to be
+    not a directory (the index was read as a config and blamed for lacking 18 fields or a
+    model_type, config.json was read as an index and blamed for lacking a weight_map)."""
+    from tests.checkpoint.corrupt import FIXTURE
+
+    path = FIXTURE / name
+    argv = [command, "--checkpoint", str(path)]
+    if command == "reference-check":
+        argv += ["--reference", str(FIXTURE.parent / "reference_outputs.safetensors")]
+    _one_error(
+        argv, f"{path}: not a directory; a released-format checkpoint is a directory", capsys
+    )
