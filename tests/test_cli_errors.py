@@ -43,6 +43,10 @@ CASES = [
     (["demo", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
     (["demo", "--lens", "30", "--prefix", "0,1"], "--prefix needs one value per length"),
     (["demo", "--graphs"], "--multistream and --graphs need --device cuda"),
+    (
+        ["reference-check", "--checkpoint", "x", "--reference", "y", "--chunk", "-1"],
+        "reference-check: chunk must be >= 0 (0: one chunk), got -1",
+    ),
     (["check", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
     (["demo", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
     (["profile", "--lens", "0"], "argument --lens: expected positive integers, got 0"),

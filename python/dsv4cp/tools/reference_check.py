@@ -82,8 +82,12 @@ class CheckRun:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.cp < 1 or self.chunk < 0:
-            raise ValueError(f"reference-check: cp must be >= 1 and chunk >= 0, got {self}")
+        if self.cp < 1:
+            raise ValueError(f"reference-check: cp must be >= 1, got {self.cp}")
+        if self.chunk < 0:
+            raise ValueError(
+                f"reference-check: chunk must be >= 0 (0: one chunk), got {self.chunk}"
+            )
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError("reference-check: timeout must be a positive number of seconds")
 
