@@ -266,3 +266,33 @@ def test_checkpoint_given_as_a_file_is_named_as_such(
     _one_error(
         argv, f"{path}: not a directory; a released-format checkpoint is a directory", capsys
     )
+
+
+def test_sigterm_runs_the_cleanup_and_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """SIGTERM while export-tiny writes into its scratch directory: `terminated`, status 143,
+    the scratch directory removed (SIGTERM's default action ended the process at once and left
+    `.export-tiny-*` behind), and SIGTERM's default action restored after."""
+    import signal
+    import time
+
+    from dsv4cp.tools import export_tiny
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler in this process; main leaves it alone")
+    write = export_tiny.write_tokenizer
+
+    def write_then_terminate(*args: object, **kwargs: object) -> object:
+        out = write(*args, **kwargs)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "would end pytest"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in here
+        return out
+
+    monkeypatch.setattr(export_tiny, "write_tokenizer", write_then_terminate)
+    d = tmp_path / "out"
+    assert main(["export-tiny", str(d)]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated"
+    assert list(d.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
