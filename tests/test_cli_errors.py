@@ -296,3 +296,25 @@ def test_sigterm_runs_the_cleanup_and_exits_143(
     assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated"
     assert list(d.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("DSV4CP_KEEP_BF16_WEIGHTS", "bogus", "DSV4CP_KEEP_BF16_WEIGHTS must be one of"),
+        ("DSV4CP_CHECK_FINITE", "maybe", "DSV4CP_CHECK_FINITE must be 0 or 1, got 'maybe'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["check", "profile"])
+def test_bad_environment_variable_is_one_line(
+    command: str,
+    var: str,
+    value: str,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """A bad DSV4CP_* value the model build or the checkpoint load reads: one line, exit 2,
+    before any work (it was a ValueError traceback once the run had started)."""
+    monkeypatch.setenv(var, value)
+    _one_error([command, "--lens", "4"], message, capsys)

@@ -107,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[DEBUG_CP_ENV] = "1"
     try:
         with _terminate_as_exception():
+            if args.command != "cache-size":  # every other command builds a model
+                from dsv4cp.commands.common import check_environment
+
+                check_environment()
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

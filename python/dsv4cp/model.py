@@ -39,7 +39,7 @@ from dsv4cp.layers.block import DeepseekV41Block
 from dsv4cp.layers.engram import Engram
 from dsv4cp.layers.engram_hashes import EngramHashes
 from dsv4cp.layers.hyper_connections import hc_collapse
-from dsv4cp.layers.linear import KeptWeights, keep_dequantized_weights
+from dsv4cp.layers.linear import KeptWeights, keep_dequantized_weights, kept_weights_scope
 from dsv4cp.layers.moe import MoE
 from dsv4cp.observe.timing import stage
 from dsv4cp.ops import check_quant_mode, rms_norm
@@ -84,6 +84,14 @@ def check_supported(config: DeepseekV41Config, quant: QuantMode) -> None:
             "quant='qat': the dense SwiGLU FFN (configs without MoE) has no quantized storage; "
             "only the released MoE is quantized"
         )
+
+
+def check_environment() -> None:
+    """Read the DSV4CP_* variables a model build or a checkpoint load reads on any device
+    (`DSV4CP_CHECK_FINITE`, `DSV4CP_KEEP_BF16_WEIGHTS`): a bad value is their ValueError now,
+    naming the variable, not once the run is under way."""
+    finite_check_requested()
+    kept_weights_scope()
 
 
 def default_quant(config: DeepseekV41Config) -> QuantMode:

@@ -182,6 +182,17 @@ def output_dir(path: str) -> Path:
     return p
 
 
+def check_environment() -> None:
+    """The DSV4CP_* variables every model build reads (`model.check_environment`): a bad value
+    is a UsageError naming the variable (it was a ValueError traceback once the run started)."""
+    from dsv4cp.model import check_environment as check_model_environment
+
+    try:
+        check_model_environment()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def check_fake_side_streams(args: argparse.Namespace, backend: str) -> None:
     """Fake CP on CUDA: every rank (a thread) holds its own side streams, one per multistream
     lane and one to capture graphs; refuse up front (before the CP = 1 reference runs) when they
