@@ -9,11 +9,14 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from dsv4cp.cli import main
 from dsv4cp.tools.accuracy import compare_one, incomplete_answer, post_generate
 
 VOCAB, TOP_K = 16, 2
@@ -105,7 +108,17 @@ def bad_server(request: pytest.FixtureRequest) -> Iterator[str]:
     def serve() -> None:
         conn, _ = srv.accept()
         with conn:
-            conn.recv(65536)
+            data = b""  # the whole request first: unread bytes at close would reset the socket
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
             conn.sendall(reply)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -134,3 +147,53 @@ def test_a_reply_that_is_not_valid_http_is_a_connection_error(
     with pytest.raises(ConnectionError, match="not a valid HTTP answer") as info:
         post_generate(bad_server, {"input_ids": [1]}, timeout_s=10)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def _reference_file(tmp_path: Path, **change: torch.Tensor) -> Path:
+    from tests.model import dsv41_fixture as fx
+
+    ref = {**fx.reference(), **change}
+    path = tmp_path / "reference.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("not safetensors", "not a safetensors file (Error while deserializing header"),
+        ("NaN logits", "full_logits holds NaN or inf"),
+        ("float decoded ids", "decoded_ids must be integer, got torch.float32"),
+        ("bool input ids", "input_ids must be integer, got torch.bool"),
+        ("empty prompt", "input_ids (1, 0) and full_logits (1, 0, 256) must be [1, P]"),
+    ],
+)
+def test_accuracy_reference_file_is_checked(
+    case: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`accuracy --reference FILE`: a file that is not safetensors was a SafetensorError
+    traceback; NaN logits, float or bool ids and an empty prompt were accepted."""
+    from tests.model import dsv41_fixture as fx
+
+    full = fx.reference()["full_logits"].clone()
+    full[0, 3, 0] = float("nan")
+    ids = fx.reference()["input_ids"]
+    if case == "not safetensors":
+        path = tmp_path / "junk"
+        path.write_text("not a safetensors file\n")
+    else:
+        path = _reference_file(
+            tmp_path,
+            **{
+                "NaN logits": {"full_logits": full},
+                "float decoded ids": {"decoded_ids": fx.reference()["decoded_ids"].float()},
+                "bool input ids": {"input_ids": ids.bool()},
+                "empty prompt": {"input_ids": ids[:, :0], "full_logits": full[:, :0]},
+            }[case],
+        )
+    argv = ["accuracy", "--base-url", "http://127.0.0.1:1", "--model-path", str(tmp_path)]
+    rc = main([*argv, "--reference", str(path), "--skip-runner"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.startswith(f"dsv4cp accuracy: {path}: ") and err.count("\n") == 1, err
+    assert message in err, err
