@@ -128,6 +128,37 @@ def test_export_refuses_a_directory_holding_another_checkpoint(
     assert json.loads((d / "config.json").read_text())["model_type"]
 
 
+def test_export_counts_dangling_weight_links_as_another_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A `*.safetensors` link that leads nowhere (dangling, or a loop) was left in place, exit 0:
+    a loader's glob finds it and fails on it. It is refused, and --force removes the link."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model-00001-of-00002.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    (d / "loop.safetensors").symlink_to(d / "loop.safetensors")
+    want = "holds another checkpoint's weights (loop.safetensors, model-00001-of-00002"
+    _one_error(["export-tiny", str(d)], want, capsys)
+    assert main(["export-tiny", str(d), "--force"]) == 0
+    assert sorted(p.name for p in d.iterdir() if p.name.endswith(".safetensors")) == [
+        "model.safetensors"
+    ]
+
+
+def test_export_files_have_one_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """model.safetensors was written 0600 (safetensors' own mode) beside 0644 config and
+    tokenizer files: a server running as another user could not read the weights. Every
+    exported file now has the mode a file created here gets (0666 less the umask)."""
+    umask = os.umask(0o022)
+    try:
+        d = tmp_path / "out"
+        assert main(["export-tiny", str(d)]) == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_export_refuses_an_output_path_that_is_a_directory(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture
