@@ -83,6 +83,10 @@ def test_table(capsys: pytest.CaptureFixture) -> None:
         (["--tokens", "5", "--swa-full-ratio", "x"], "--swa-full-ratio must be in (0, 1]"),
         (["--tokens", "5", "--swa-full-ratio", "0.1", "--every-slot"], "two different SWA"),
         (["--tokens", "4M"], "--tokens 4,194,304 is longer than the model's context"),
+        (["--tokens", "²"], "--tokens must be a non-negative integer"),
+        (["--tokens", "5", "--page-size", "³k"], "--page-size must be a non-negative integer"),
+        (["--tokens", "5", "--page-size", "2M"], "--page-size 2,097,152 is larger than the model"),
+        (["--tokens", "5", "--page-size", str(10**20)], "is larger than the model's context"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001

@@ -94,3 +94,28 @@ def test_profile_on_cpu_writes_trace_timeline_and_summary(tmp_path: Path) -> Non
     assert (tmp_path / "trace.json").stat().st_size > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert "q_chain" in summary["prepare_nodes"] and summary["overlap_fraction"] == 0.0
+
+
+def test_interrupted_profile_leaves_the_earlier_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after the new trace was written but before the timeline: --out keeps the earlier
+    run's three files as they were and no scratch directory (a new trace.json used to sit beside
+    the older timeline.png and summary.json)."""
+    from dsv4cp.observe import timeline
+
+    for name in ("trace.json", "timeline.png", "summary.json"):
+        (tmp_path / name).write_text(f"earlier {name}")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(timeline, "plot_timeline", interrupted)
+    assert main(["profile", "--lens", "8", "--out", str(tmp_path)]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "summary.json",
+        "timeline.png",
+        "trace.json",
+    ]
+    for name in ("trace.json", "timeline.png", "summary.json"):
+        assert (tmp_path / name).read_text() == f"earlier {name}"

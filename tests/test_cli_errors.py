@@ -45,6 +45,12 @@ CASES = [
     (["demo", "--cp-backend", "nccl"], "--cp-backend nccl needs --device cuda"),
     (["demo", "--lens", "30", "--prefix", "0,1"], "--prefix needs one value per length"),
     (["demo", "--graphs"], "--multistream and --graphs need --device cuda"),
+    (
+        ["reference-check", "--checkpoint", "x", "--reference", "y", "--chunk", "-1"],
+        "reference-check: chunk must be >= 0 (0: one chunk), got -1",
+    ),
+    (["check", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
+    (["demo", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
     (["profile", "--lens", "0"], "argument --lens: expected positive integers, got 0"),
     (["profile", "--lens", "-4"], "argument --lens: expected positive integers, got -4"),
     (["profile", "--lens", "20000"], "too large for the CPU reference"),
@@ -122,6 +128,37 @@ def test_export_refuses_a_directory_holding_another_checkpoint(
     assert (d / "README.md").read_text() == "kept"
     assert main(["export-tiny", str(d)]) == 0  # its own files are overwritten, as before
     assert json.loads((d / "config.json").read_text())["model_type"]
+
+
+def test_export_counts_dangling_weight_links_as_another_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A `*.safetensors` link that leads nowhere (dangling, or a loop) was left in place, exit 0:
+    a loader's glob finds it and fails on it. It is refused, and --force removes the link."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model-00001-of-00002.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    (d / "loop.safetensors").symlink_to(d / "loop.safetensors")
+    want = "holds another checkpoint's weights (loop.safetensors, model-00001-of-00002"
+    _one_error(["export-tiny", str(d)], want, capsys)
+    assert main(["export-tiny", str(d), "--force"]) == 0
+    assert sorted(p.name for p in d.iterdir() if p.name.endswith(".safetensors")) == [
+        "model.safetensors"
+    ]
+
+
+def test_export_files_have_one_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """model.safetensors was written 0600 (safetensors' own mode) beside 0644 config and
+    tokenizer files: a server running as another user could not read the weights. Every
+    exported file now has the mode a file created here gets (0666 less the umask)."""
+    umask = os.umask(0o022)
+    try:
+        d = tmp_path / "out"
+        assert main(["export-tiny", str(d)]) == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
@@ -243,3 +280,75 @@ def test_checkpoint_given_a_dsv4cp_export_says_so(
     for command in ("check", "demo"):
         argv = [command, "--checkpoint", str(d), "--quant", quant]
         _one_error(argv, f"{d} is a dsv4cp export", capsys)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("command", ["check", "demo", "reference-check"])
+def test_checkpoint_given_as_a_file_is_named_as_such(
+    command: str, name: str, capsys: pytest.CaptureFixture
+) -> None:
+    """--checkpoint naming a file of the checkpoint (its index, its config.json): said to be
+    not a directory (the index was read as a config and blamed for lacking 18 fields or a
+    model_type, config.json was read as an index and blamed for lacking a weight_map)."""
+    from tests.checkpoint.corrupt import FIXTURE
+
+    path = FIXTURE / name
+    argv = [command, "--checkpoint", str(path)]
+    if command == "reference-check":
+        argv += ["--reference", str(FIXTURE.parent / "reference_outputs.safetensors")]
+    _one_error(
+        argv, f"{path}: not a directory; a released-format checkpoint is a directory", capsys
+    )
+
+
+def test_sigterm_runs_the_cleanup_and_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """SIGTERM while export-tiny writes into its scratch directory: `terminated`, status 143,
+    the scratch directory removed (SIGTERM's default action ended the process at once and left
+    `.export-tiny-*` behind), and SIGTERM's default action restored after."""
+    import signal
+    import time
+
+    from dsv4cp.tools import export_tiny
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler in this process; main leaves it alone")
+    write = export_tiny.write_tokenizer
+
+    def write_then_terminate(*args: object, **kwargs: object) -> object:
+        out = write(*args, **kwargs)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "would end pytest"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in here
+        return out
+
+    monkeypatch.setattr(export_tiny, "write_tokenizer", write_then_terminate)
+    d = tmp_path / "out"
+    assert main(["export-tiny", str(d)]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated"
+    assert list(d.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("DSV4CP_KEEP_BF16_WEIGHTS", "bogus", "DSV4CP_KEEP_BF16_WEIGHTS must be one of"),
+        ("DSV4CP_CHECK_FINITE", "maybe", "DSV4CP_CHECK_FINITE must be 1 or 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["check", "profile"])
+def test_bad_environment_variable_is_one_line(
+    command: str,
+    var: str,
+    value: str,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """A bad DSV4CP_* value the model build or the checkpoint load reads: one line, exit 2,
+    before any work (it was a ValueError traceback once the run had started; the start-up check
+    is `env_vars.check_environment`, tests/test_env_vars.py)."""
+    monkeypatch.setenv(var, value)
+    _one_error([command, "--lens", "4"], message, capsys)

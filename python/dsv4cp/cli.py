@@ -8,10 +8,13 @@ Each subcommand lives in `dsv4cp/commands/<name>_cmd.py` with `add_parser(subpar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 COMMANDS = {
@@ -82,8 +85,36 @@ def _check_environment(command: str) -> int | None:
     return None
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived while a subcommand ran (raised by `_terminate_as_exception`'s handler)."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """SIGTERM raises `Terminated` in the main thread while the subcommand runs, so its
+    `finally` blocks run as for Ctrl-C: CP ranks are stopped, export-tiny removes its scratch
+    directory (SIGTERM's default action ended the process at once and left it). Only where
+    SIGTERM has its default action, in the main thread; the old action is restored after."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; its exit status. Input errors print one line and return 2."""
+    """Run one subcommand; its exit status. Input errors print one line and return 2;
+    Ctrl-C prints `interrupted` and returns 130, SIGTERM `terminated` and 143."""
     args = build_parser().parse_args(argv)
     status = _check_environment(args.command)
     if status is not None:
@@ -95,10 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if debug_cp:  # what DSV4CP_DEBUG_CP=1 does; the spawned ranks inherit it
         os.environ[DEBUG_CP_ENV] = "1"
     try:
-        return int(args._run(args) or 0)
+        with _terminate_as_exception():
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except Exception as e:
         status = _reported(e, args.command)
         if status is None:

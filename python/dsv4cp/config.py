@@ -63,6 +63,15 @@ def read_config_json(source: str | os.PathLike[str]) -> Any:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def not_a_checkpoint_dir(path: str | os.PathLike[str]) -> str:
+    """The message for a file given where a checkpoint directory is expected (its index, its
+    config.json, a shard: each was read as the other kind of file and blamed for what it lacks)."""
+    return (
+        f"{os.fspath(path)}: not a directory; a released-format checkpoint is a directory "
+        "holding config.json, model.safetensors.index.json (or model.safetensors) and the shards"
+    )
+
+
 def checkpoint_kind(path: str | os.PathLike[str]) -> CheckpointKind:
     """ "released" (model_type `deepseek_v41`) or "export" (`dsv4cp_v41`) for a checkpoint
     directory; ValueError naming the directory for any other config.json."""

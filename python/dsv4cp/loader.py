@@ -5,7 +5,8 @@ final norm, head, and per block its norms, hyper-connections, attention, MoE and
 projections), and each Engram layer's table, attached as a read-only memmap of its shard
 (`CheckpointReader.memmap`: only looked-up rows are ever read), hashed through the checkpoint's
 tokenizer.json (loaded right after the name check, before any weight: a missing, corrupt or
-mismatched tokenizer is a `CheckpointError` naming the file). What is skipped, by name and on
+mismatched tokenizer is a `CheckpointError` naming the file; the tables' shapes are checked
+against the config then too). What is skipped, by name and on
 purpose, with one log line: the vision tower (`vision.*`, `aligner.*`, `image_*`, and each MoE
 gate's `gate.bias_vl`, the routing bias of image tokens) and the DSpark draft layers (`mtp.*`);
 with expert parallelism (docs/ep.md) the routed experts other ranks hold
@@ -232,9 +233,19 @@ def _load_group(reader: CheckpointReader, slots: dict[str, Tensor], report: Load
 def _engram_tables(
     reader: CheckpointReader, model: DeepseekV41Model, report: LoadReport
 ) -> dict[int, tuple[RowSource, RowSource]]:
+    """Each Engram layer's table and scales as shard memmaps, checked: fp8 rows with their
+    scales, of the shape the config gives the layer (engram_num_embeddings, engram_head_dim)."""
+    layers = {e.layer_id: e for e in model.engram_layers}
     tables: dict[int, tuple[RowSource, RowSource]] = {}
     for layer, (weight, scale) in engram_table_names(model).items():
         check_quantized_weight(reader, weight, "fp8_rows")
+        spec, want = reader.spec(weight), (layers[layer].num_rows, layers[layer].head_dim)
+        if spec.shape != want:
+            raise CheckpointError(
+                f"{spec.file}: Engram table {weight!r} has shape {list(spec.shape)}, layer "
+                f"{layer} of the config needs {list(want)} (engram_num_embeddings, "
+                "engram_head_dim)"
+            )
         tables[layer] = (reader.memmap(weight), reader.memmap(scale))
         report.engram_tables += [weight, scale]
     return tables
@@ -286,6 +297,8 @@ def load_checkpoint(
         # the tokenizer before any weight: a bad tokenizer.json is found in seconds, not after
         # every block has loaded
         hasher = _hasher(reader.root, model) if model.engram_layers else None
+        # the tables are checked before any weight too (memmaps: nothing is read here)
+        tables = _engram_tables(reader, model, report) if hasher is not None else {}
         slots = model.checkpoint_weights()
         top = {n: slots[n] for n in ("embed.weight", "norm.weight", "head.weight")}
         _load_group(reader, top, report)
@@ -298,7 +311,6 @@ def load_checkpoint(
                 f"({report.loaded} tensors, {time.perf_counter() - t0:.1f} s)"
             )
         if hasher is not None:
-            tables = _engram_tables(reader, model, report)
             model.attach_engram(hasher, tables)
     if scope != "off":
         report.kept_bf16_bytes = model.keep_dequantized_weights(scope)

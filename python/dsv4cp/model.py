@@ -26,7 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4cp.checkpoint.errors import CheckpointError
-from dsv4cp.config import EXPORT_MODEL_TYPE, DeepseekV41Config, checkpoint_kind
+from dsv4cp.config import (
+    EXPORT_MODEL_TYPE,
+    DeepseekV41Config,
+    checkpoint_kind,
+    not_a_checkpoint_dir,
+)
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, gather_global
 from dsv4cp.executors import SERIAL_ONLY, LayerExecutors
@@ -290,6 +295,8 @@ class DeepseekV41Model(nn.Module):
         with `ep` only this rank's experts are read."""
         from dsv4cp.loader import load_checkpoint
 
+        if os.path.exists(path) and not os.path.isdir(path):  # e.g. its index or config.json
+            raise CheckpointError(not_a_checkpoint_dir(path))
         try:
             kind = checkpoint_kind(path)
         except ValueError as e:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +173,45 @@ def test_unreadable_shard_names_the_file(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match=rf"{tmp_path}: is a directory, not a shard file"):
         read_header(tmp_path)
+
+
+def _within(seconds: float, fn: Callable[[], object], fifo: Path) -> BaseException | None:
+    """fn's exception, raised within `seconds`; a call still blocked then fails the test (the
+    FIFO is opened for writing once, so the blocked thread can end)."""
+    caught: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            caught[0] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # EOF for the blocked reader
+        pytest.fail(f"reading {fifo} blocked for {seconds} s")
+    return caught[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("which", ["shard", "index"])
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(which: str, tmp_path: Path) -> None:
+    """A named pipe where a shard or the index should be: open() blocked until something wrote
+    to it (a hang); now a CheckpointError naming it."""
+    root = copy_checkpoint(tmp_path / "ckpt")
+    fifo = shard_of(root, WQ_A) if which == "shard" else root / INDEX
+    fifo.unlink()
+    os.mkfifo(fifo)
+
+    def read() -> None:
+        with CheckpointReader(root) as r:
+            r.spec(WQ_A)
+
+    e = _within(10.0, read, fifo)
+    assert isinstance(e, CheckpointError), e
+    assert f"{fifo}: not a regular file" in str(e)
 
 
 def test_index_points_to_a_shard_without_the_tensor(tmp_path: Path) -> None:

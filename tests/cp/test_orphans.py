@@ -135,3 +135,61 @@ def test_spawn_ranks_parent_death_mid_forward(sig: signal.Signals, tmp_path: Pat
         _kill_parent_and_wait(parent, sig, marker)
     finally:
         _cleanup(parent, marker)
+
+
+INTERRUPT_SCRIPT = """
+import sys, time, torch
+from pathlib import Path
+from dsv4cp.cp.launch import spawn_ranks
+
+def fn(group, folder):
+    Path(folder, f"rank{group.rank}").write_text("in the forward")
+    time.sleep(60)
+
+if __name__ == "__main__":
+    try:
+        spawn_ranks(2, fn, (sys.argv[1],), timeout_s=60)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_ctrl_c_reaches_only_the_launcher(when: str, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while the ranks import torch or run: the
+    launcher alone is interrupted and stops the ranks at once; no rank prints a traceback (each
+    rank still starting printed its KeyboardInterrupt traceback) and none is left."""
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(ROOT / "python")}
+    script = tmp_path / "run.py"
+    script.write_text(INTERRUPT_SCRIPT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180.0
+        while time.monotonic() < deadline and parent.poll() is None:
+            ranks = [p for p in _marked(marker) if p != parent.pid]
+            running = all((tmp_path / f"rank{r}").exists() for r in range(2))
+            if running if when == "running" else len(ranks) >= 2:
+                break
+            time.sleep(0.05)
+        assert parent.poll() is None, "the run ended before it could be interrupted"
+        if when == "starting":
+            assert not (tmp_path / "rank0").exists(), "the ranks were already running"
+        os.killpg(parent.pid, signal.SIGINT)
+        _, err = parent.communicate(timeout=20)
+        assert parent.returncode == 130, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert err.strip() == "interrupted", err
+        t0 = time.monotonic()
+        while _marked(marker) and time.monotonic() - t0 < GONE_WITHIN_S:
+            time.sleep(0.2)
+        assert not _marked(marker), f"left after the interrupt: {_marked(marker)}"
+    finally:
+        _cleanup(parent, marker)

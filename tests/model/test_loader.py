@@ -167,3 +167,33 @@ def test_engram_model_without_tables_says_so() -> None:
     model = DeepseekV41Model(DeepseekV41Config.from_hf(fx.CHECKPOINT), seed=0)
     with pytest.raises(ValueError, match="Engram layers but no hasher"):
         PrefillRunner(model, num_slots=64, max_context=32).prefill({"a": [3, 4, 5]})
+
+
+@pytest.mark.parametrize(
+    "shape,scale", [([330, 64], [330, 2]), ([320, 32], [320, 1])], ids=["reshaped", "fewer rows"]
+)
+def test_engram_table_of_other_dims_names_the_tensor_before_any_weight(
+    shape: list[int], scale: list[int], tmp_path
+) -> None:
+    """An Engram table whose dims are not the config's (same bytes reshaped, or fewer rows):
+    a CheckpointError naming the shard and tensor, before any block loads (it was a plain
+    ValueError from `Engram.attach_table`, naming neither, after every block: a traceback
+    under `dsv4cp check --checkpoint`)."""
+    root = _copy(tmp_path)
+    name, sname = "layers.0.engram.embed.weight", "layers.0.engram.embed.scale"
+    shard = shard_of(root, name)
+
+    def edit(h: dict) -> None:
+        for key, dims in ((name, shape), (sname, scale)):
+            begin = h[key]["data_offsets"][0]
+            h[key].update(shape=dims, data_offsets=[begin, begin + dims[0] * dims[1]])
+
+    edit_header(shard, edit)
+    lines: list[str] = []
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(_fresh(), root, progress=lines.append)
+    assert str(e.value) == (
+        f"{shard}: Engram table '{name}' has shape {shape}, layer 0 of the config needs "
+        "[660, 32] (engram_num_embeddings, engram_head_dim)"
+    )
+    assert not [line for line in lines if "loaded block" in line]

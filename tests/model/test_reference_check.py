@@ -4,6 +4,7 @@ chunked runs equal to one-shot CP = 1, bad inputs as one-line errors, and the ag
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -147,3 +148,77 @@ def test_block_agreement_is_per_token() -> None:
     ours[2, 0] += 2.0**-5  # four ulps
     assert block_agreement(ours, ref, ulps=1)["tf_token_agree"] == pytest.approx(2 / 3)
     assert block_agreement(ours, ref, ulps=4)["tf_token_agree"] == 1.0
+
+
+def _damaged(ref: dict) -> dict[str, Callable[[], None]]:
+    """Reference damages: each a key of the wrong dtype or shape, or a non-finite value."""
+
+    def put(key: str, value: torch.Tensor) -> Callable[[], None]:
+        return lambda: ref.__setitem__(key, value)
+
+    nan_out = ref["block2.out"].clone()
+    nan_out[0, 3, 0, 0] = float("nan")
+    return {
+        "decode_logits of another vocab": put("decode_logits", ref["decode_logits"][:, :100]),
+        "prefill_of_decoded_logits of another vocab": put(
+            "prefill_of_decoded_logits", ref["prefill_of_decoded_logits"][:, :100]
+        ),
+        "decode_logits rows != decoded steps": put("decoded_ids", ref["decoded_ids"][:, :2]),
+        "topk without the batch dim": put("block1.topk", ref["block1.topk"][0]),
+        "topk for fewer tokens": put("block1.topk", ref["block1.topk"][:, :10]),
+        "topk of floats": put("block1.topk", ref["block1.topk"].float()),
+        "topk narrower than index_topk": put("block1.topk", ref["block1.topk"][..., :3]),
+        "pre_mix_in of 3 streams": put("block1.pre_mix_in", ref["block1.pre_mix_in"][..., :3]),
+        "decoded_ids of floats": put("decoded_ids", ref["decoded_ids"].float()),
+        "bool input_ids": put("input_ids", ref["input_ids"].bool()),
+        "integer full_logits": put("full_logits", ref["full_logits"].int()),
+        "NaN in a block output": put("block2.out", nan_out),
+    }
+
+
+BAD_REFERENCES = {
+    "decode_logits of another vocab": "decode_logits has 100 logits per token, the checkpoint's "
+    "vocab_size is 256",
+    "prefill_of_decoded_logits of another vocab": "prefill_of_decoded_logits has 100 logits",
+    "decode_logits rows != decoded steps": "decode_logits has 3 rows, decoded_ids (1, 2) needs 1",
+    "topk without the batch dim": "block1.topk must be integer [1, 61, K], got torch.int32 (61, 8)",
+    "topk for fewer tokens": "block1.topk must be integer [1, 61, K], got torch.int32 (1, 10, 8)",
+    "topk of floats": "block1.topk must be integer [1, 61, K], got torch.float32",
+    "topk narrower than index_topk": "block1.topk is (1, 61, 3), the model selects index_topk = 8",
+    "pre_mix_in of 3 streams": "block1.pre_mix_in is (1, 61, 3), the model's stream weights are "
+    "(1, 61, 4)",
+    "decoded_ids of floats": "decoded_ids must be integer [1, N], got torch.float32 (1, 4)",
+    "bool input_ids": "input_ids must be integer [1, T], got torch.bool (1, 61)",
+    "integer full_logits": "full_logits torch.int32 (1, 61, 256) is not floating [1, T, V]",
+    "NaN in a block output": "block2.out holds 1 non-finite value(s) (NaN or inf)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REFERENCES))
+def test_reference_of_the_wrong_layout_is_one_line(case: str, tmp_path, capsys) -> None:
+    """Every key the check reads is checked (dtype, shape, finite) before it is used: these were
+    tracebacks (RuntimeError, IndexError, TypeError) after the whole run, a FAIL or a message
+    from deep inside the model (`hc_collapse`)."""
+    ref = dict(fx.reference())
+    _damaged(ref)[case]()
+    path = tmp_path / "reference.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(path))
+    rc = main(["reference-check", "--checkpoint", str(fx.CHECKPOINT), "--reference", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dsv4cp reference-check: ") and BAD_REFERENCES[case] in last, last
+    assert "reference-check: reference-check:" not in last
+
+
+@pytest.mark.parametrize(
+    "text,message", [("{bad", "cannot be read as JSON"), ("[1, 2]", "not a JSON object")]
+)
+def test_summary_beside_the_reference_is_read_first(text: str, message: str, tmp_path) -> None:
+    """A summary.json that is not a JSON object is named before any rank runs (it was an
+    AttributeError, or a JSONDecodeError without the file's name, after the whole run)."""
+    path = tmp_path / "reference.safetensors"
+    save_file(dict(fx.reference()), str(path))
+    (tmp_path / "summary.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'summary.json'}: {message}"):
+        run_reference_check(CheckRun(str(fx.CHECKPOINT), str(path), cp=2))

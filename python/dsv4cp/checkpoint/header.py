@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,12 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     """Every tensor's entry, checked against the file: known dtype, byte length = numel · itemsize,
     and data inside the file (a truncated shard is an error here, before any data is read)."""
     try:
-        size = os.path.getsize(path)
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device: open() or read() would block
+            raise CheckpointError(f"{path}: not a regular file, cannot be a shard")
+        size = info.st_size
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:

@@ -166,6 +166,8 @@ class CheckpointReader:
 
 
 def _read_index(path: Path) -> dict[str, str]:
+    if not path.is_file():  # a FIFO would block read_text()
+        raise CheckpointError(f"{path}: not a regular file, cannot be a safetensors index")
     try:
         index = json.loads(path.read_text())
         weight_map = index["weight_map"]

@@ -51,7 +51,7 @@ def _count(text: str, what: str) -> int:
     t = text.strip().lower()
     mult = _SUFFIX.get(t[-1:], 1)
     digits = t[:-1] if mult > 1 else t
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):  # '²'.isdigit() is True, int('²') fails
         raise UsageError(
             f"{what} must be a non-negative integer (K/M suffix allowed), got {text!r}"
         )
@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args.config)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+    if page > config.max_position_embeddings:
+        raise UsageError(
+            f"--page-size {page:,} is larger than the model's context (max_position_embeddings "
+            f"{config.max_position_embeddings:,})"
+        )
     if tokens > config.max_position_embeddings:
         raise UsageError(
             f"--tokens {tokens:,} is longer than the model's context (max_position_embeddings "

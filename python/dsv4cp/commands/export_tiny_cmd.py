@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def foreign_weights(path: Path, ours: str) -> list[Path]:
     """Weight and index files in `path` that export-tiny does not write (`ours` it does)."""
-    found = {f for pattern in WEIGHT_PATTERNS for f in path.glob(pattern) if f.is_file()}
+    # a link too, dangling or looping: a loader's glob finds it and fails on it
+    found = {f for p in WEIGHT_PATTERNS for f in path.glob(p) if f.is_file() or f.is_symlink()}
     return sorted(f for f in found if f.name != ours)
 
 

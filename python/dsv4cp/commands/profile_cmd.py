@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 
 from dsv4cp.commands.common import (
     UsageError,
@@ -15,6 +17,8 @@ from dsv4cp.commands.common import (
     positive_int_list,
     seed_int,
 )
+
+OUTPUTS = ("trace.json", "timeline.png", "summary.json")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args)
     check_cpu_size(args, args.lens)
     output_dir(args.out)
-    for name in ("trace.json", "timeline.png", "summary.json"):
+    for name in OUTPUTS:
         if os.path.isdir(os.path.join(args.out, name)):
             raise UsageError(f"{os.path.join(args.out, name)}: is a directory, not a file")
     cfg = DeepseekV41Config.tiny()
@@ -80,29 +84,38 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     trace_path = os.path.join(args.out, "trace.json")
-    trace = capture_trace(step, path=trace_path, warmup=2)
-    kernels = trace.kernels() if args.device == "cuda" else []
-    overlap = overlap_fraction(kernels)
     png = os.path.join(args.out, "timeline.png")
-    plot_timeline(
-        kernels,
-        png,
-        highlight=("nccl",),
-        title=f"prefill {list(args.lens)} tokens, tiny model, {args.device}, "
-        f"multistream={args.multistream}, graphs={args.graphs}",
-    )
-    summary = {
-        "trace": trace_path,
-        "timeline": png,
-        "kernels": len(kernels),
-        "streams": sorted({k.stream for k in kernels}),
-        "overlap_fraction": overlap,
-        "prepare_nodes": sorted(
-            {r.name for r in trace.ranges() if not r.name.startswith(("aten::", "cuda"))}
-        )[:40],
-    }
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    # The three files are written into a scratch directory inside --out and renamed into place
+    # at the end: an interrupted or failed run leaves --out as it was (not a new trace beside
+    # an older run's timeline and summary).
+    scratch = tempfile.mkdtemp(prefix=".profile-", dir=args.out)
+    try:
+        trace = capture_trace(step, path=os.path.join(scratch, "trace.json"), warmup=2)
+        kernels = trace.kernels() if args.device == "cuda" else []
+        overlap = overlap_fraction(kernels)
+        plot_timeline(
+            kernels,
+            os.path.join(scratch, "timeline.png"),
+            highlight=("nccl",),
+            title=f"prefill {list(args.lens)} tokens, tiny model, {args.device}, "
+            f"multistream={args.multistream}, graphs={args.graphs}",
+        )
+        summary = {
+            "trace": trace_path,
+            "timeline": png,
+            "kernels": len(kernels),
+            "streams": sorted({k.stream for k in kernels}),
+            "overlap_fraction": overlap,
+            "prepare_nodes": sorted(
+                {r.name for r in trace.ranges() if not r.name.startswith(("aten::", "cuda"))}
+            )[:40],
+        }
+        with open(os.path.join(scratch, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        for name in OUTPUTS:
+            os.replace(os.path.join(scratch, name), os.path.join(args.out, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"trace (Perfetto / chrome://tracing): {trace_path}")
     print(f"timeline: {png}")
     print(

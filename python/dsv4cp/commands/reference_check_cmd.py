@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             check, crit, progress=lambda s: print(s, file=sys.stderr, flush=True)
         )
     except (OSError, ValueError, NotImplementedError) as e:
-        print(f"dsv4cp reference-check: {e}", file=sys.stderr)
+        message = str(e).removeprefix("reference-check: ")  # the library's own prefix
+        print(f"dsv4cp reference-check: {message}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["pass"] else 1

@@ -207,6 +207,7 @@ def spawn_ranks(
     flag = resolve_check_order(check_order)
     started: list[Any] = []
     readers: list[Connection] = []
+    finished = False
     try:
         for r in range(cp_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -231,22 +232,40 @@ def spawn_ranks(
                 daemon=True,
             )
             try:
-                proc.start()
+                _start_without_sigint(proc)
             finally:
                 writer.close()  # the child holds its own end: EOF here means it is gone
             started.append(proc)
         reports = _collect(started, readers, failure_grace_s, deadline_s)
+        finished = True
     finally:
-        _stop(started)
+        _stop(started, grace_s=2.0 if finished else 0.0)
         for reader in readers:
             reader.close()
         del store
     return _finish(reports, backend, cp_size, timeout_s)
 
 
-def _stop(procs: list[Any]) -> None:
-    """Join the started ranks (those that reported are only exiting), kill the rest."""
-    stop = time.monotonic() + 2.0
+def _start_without_sigint(proc: Any) -> None:
+    """Start a rank with SIGINT blocked: the spawned interpreter inherits the signal mask, so a
+    Ctrl-C (sent to the whole foreground process group) reaches only this process, whose
+    KeyboardInterrupt stops the ranks (`_stop`). Unblocked, every rank still importing torch
+    printed its own KeyboardInterrupt traceback. A SIGINT that arrives while the mask is held is
+    delivered here when it is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        proc.start()
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop(procs: list[Any], grace_s: float = 2.0) -> None:
+    """Join the started ranks for `grace_s` (those that reported are only exiting), kill the
+    rest; interrupted (KeyboardInterrupt) or failed in the launcher: grace 0, kill at once."""
+    stop = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, stop - time.monotonic()))
         if p.is_alive():

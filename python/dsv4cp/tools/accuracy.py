@@ -10,6 +10,7 @@ and every compared logprob (chosen token, top-k, prompt tokens) is within `atol`
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -107,8 +108,13 @@ def post_generate(base_url: str, payload: dict, timeout_s: float = 300.0) -> dic
         data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            body = resp.read()
+    except http.client.HTTPException as e:  # a reply that is not HTTP, a body cut short
+        detail = " ".join(str(e).split())  # BadStatusLine quotes the line, newline included
+        raise ConnectionError(f"not a valid HTTP answer ({type(e).__name__}: {detail})") from None
+    return json.loads(body)
 
 
 def greedy_payload(input_ids: list[int], max_new_tokens: int, top_k: int) -> dict:
@@ -190,12 +196,64 @@ class Reference:
         return input_lp, torch.stack(rows)
 
 
-def incomplete_answer(meta: dict, *, prompt_len: int, new_tokens: int, top_k: int) -> str | None:
-    """Why a `greedy_payload` answer lacks something that was asked for, or None.
+ANSWER_LISTS = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "input_token_logprobs",
+    "input_top_logprobs",
+)
+
+
+def _entry_problem(entry: Any, vocab: int | None, *, first_input: bool = False) -> str | None:
+    """Why one `[logprob, token id, ...]` entry of an answer is unusable, or None: the logprob
+    must be a finite number (None only for the first prompt token), the id an int in the
+    vocabulary."""
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+        return f"entry {entry!r} is not [logprob, token id, ...]"
+    lp, tid = entry[0], entry[1]
+    if not (first_input and lp is None):
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            return f"logprob {lp!r} is not a finite number"
+    if isinstance(tid, bool) or not isinstance(tid, int):
+        return f"token id {tid!r} is not an integer"
+    if vocab is not None and not 0 <= tid < vocab:
+        return f"token id {tid} is outside the vocabulary [0, {vocab})"
+    return None
+
+
+def _malformed(meta: Any, vocab: int | None) -> str | None:
+    """Why the lists of an answer's meta_info are not the shape `incomplete_answer` counts, or
+    hold an unusable entry (a NaN or inf logprob, a token id outside the vocabulary), or None."""
+    if not isinstance(meta, dict):
+        return f"meta_info is {type(meta).__name__}, not an object"
+    for key in ANSWER_LISTS:
+        value = meta.get(key) or []
+        if not isinstance(value, list):
+            return f"{key} is {type(value).__name__}, not a list"
+        for i, item in enumerate(value):
+            top = key.endswith("top_logprobs")
+            entries = (item or []) if top else [item]
+            if not isinstance(entries, list):
+                return f"{key}[{i}] is {type(entries).__name__}, not a list"
+            for e in entries:
+                why = _entry_problem(e, vocab, first_input=key == "input_token_logprobs" and i == 0)
+                if why is not None:
+                    return f"{key}[{i}]: {why}"
+    return None
+
+
+def incomplete_answer(
+    meta: Any, *, prompt_len: int, new_tokens: int, top_k: int, vocab: int | None = None
+) -> str | None:
+    """Why a `greedy_payload` answer lacks something that was asked for or holds something
+    unusable (a malformed list, a non-finite logprob, a token id outside [0, `vocab`)), or None.
 
     The payload sets `ignore_eos`, `logprob_start_len` 0 and `top_logprobs_num`, so a complete
     answer has `new_tokens` output tokens and logprobs, `top_k` candidates per step, and
     logprobs (and top-k, after the first) for every prompt token."""
+    bad = _malformed(meta, vocab)
+    if bad is not None:
+        return f"malformed server answer: {bad}"
     out = meta.get("output_token_logprobs") or []
     if len(out) != new_tokens:
         return f"server returned {len(out)} tokens, asked for {new_tokens}"
@@ -221,7 +279,13 @@ def compare_one(
     new_tokens: int,
 ) -> PromptResult:
     meta = server["meta_info"]
-    missing = incomplete_answer(meta, prompt_len=len(prompt), new_tokens=new_tokens, top_k=top_k)
+    missing = incomplete_answer(
+        meta,
+        prompt_len=len(prompt),
+        new_tokens=new_tokens,
+        top_k=top_k,
+        vocab=int(ref.model.config.vocab_size),
+    )
     if missing is not None:
         return PromptResult(index, len(prompt), 0, 0, 0, None, 0.0, 0.0, 0.0, error=missing)
     out_lp = meta["output_token_logprobs"]

@@ -71,13 +71,29 @@ class ReferenceOutputs:
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no reference outputs file at {path}")
-        t = load_file(str(path))
+        try:
+            t = load_file(str(path))
+        except Exception as e:  # safetensors' own error types
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None
         missing = [k for k in REQUIRED_KEYS if k not in t]
         if missing:
             raise ValueError(f"{path}: missing keys {missing} (see the fixture README)")
+        for key in REQUIRED_KEYS:  # ids integer, logits floating and finite
+            v, ids_key = t[key], key.endswith("_ids")
+            if v.dtype == torch.bool or v.is_floating_point() == ids_key:
+                kind = "integer" if ids_key else "floating"
+                raise ValueError(f"{path}: {key} must be {kind}, got {v.dtype}")
+            if not ids_key and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{path}: {key} holds NaN or inf")
         ids, full, dec, dlog = (t[k] for k in REQUIRED_KEYS)
         p, n = ids.shape[-1], dec.shape[-1]
-        if ids.dim() != 2 or ids.shape[0] != 1 or full.shape[:2] != (1, p):
+        if (
+            ids.dim() != 2
+            or ids.shape[0] != 1
+            or p < 1
+            or full.dim() != 3
+            or full.shape[:2] != (1, p)
+        ):
             raise ValueError(
                 f"{path}: input_ids {tuple(ids.shape)} and full_logits "
                 f"{tuple(full.shape)} must be [1, P] and [1, P, V]"
@@ -154,7 +170,9 @@ def compare_reference(
     missing = (
         "answer has no meta_info"
         if not isinstance(meta, dict)
-        else incomplete_answer(meta, prompt_len=p, new_tokens=n, top_k=top_k)
+        else incomplete_answer(
+            meta, prompt_len=p, new_tokens=n, top_k=top_k, vocab=int(ref.prefill_lp.shape[-1])
+        )
     )
     if missing is not None:
         report.checks.append(Check("complete answer", missing[:60], "-", False))

@@ -16,6 +16,7 @@ need not match).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dsv4cp.config import (
     UPSTREAM_MODEL_TYPE,
     DeepseekV41Config,
     checkpoint_kind,
+    not_a_checkpoint_dir,
 )
 from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import CPGroup, SingleCPGroup, gather_global
@@ -71,6 +73,8 @@ class Scenario:
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None:
+            if os.path.exists(self.checkpoint) and not os.path.isdir(self.checkpoint):
+                raise ValueError(not_a_checkpoint_dir(self.checkpoint))
             _refuse_an_export(self.checkpoint)
             object.__setattr__(self, "config", DeepseekV41Config.from_hf(self.checkpoint))
         if not self.lens or any(n < 1 for n in self.lens):

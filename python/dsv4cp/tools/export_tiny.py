@@ -135,7 +135,12 @@ def export_tiny(
         write_tokenizer(scratch, config.vocab_size, model_max_length)
         gen = {**token_ids(config.vocab_size), "_from_model_config": False}
         (scratch / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
         for name in output_names():
+            # the mode of a file created here (safetensors writes the weights 0600: a server
+            # running as another user could read config.json but not model.safetensors)
+            os.chmod(scratch / name, 0o666 & ~umask)
             os.replace(scratch / name, path / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
