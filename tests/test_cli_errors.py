@@ -49,8 +49,6 @@ CASES = [
         ["reference-check", "--checkpoint", "x", "--reference", "y", "--chunk", "-1"],
         "reference-check: chunk must be >= 0 (0: one chunk), got -1",
     ),
-    (["check", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
-    (["demo", "--quant", "qat"], "quant='qat': the config has no quantization_config"),
     (["profile", "--lens", "0"], "argument --lens: expected positive integers, got 0"),
     (["profile", "--lens", "-4"], "argument --lens: expected positive integers, got -4"),
     (["profile", "--lens", "20000"], "too large for the CPU reference"),
