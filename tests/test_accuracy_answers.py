@@ -197,3 +197,51 @@ def test_accuracy_reference_file_is_checked(
     assert rc == 2 and "Traceback" not in err, err
     assert err.startswith(f"dsv4cp accuracy: {path}: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+def _health_server(status: int) -> tuple[str, object]:
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv
+
+
+def test_no_server_or_one_still_starting_is_said_before_any_prompt() -> None:
+    """Nothing listening used to be six per-prompt rows of `Connection refused` and a FAIL that
+    read like a numerics failure, after the runner had been built (minutes on CPU)."""
+    from dsv4cp.tools.accuracy import check_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening
+        with pytest.raises(ConnectionError, match=f"no server answers at {dead}"):
+            check_server(dead, 5.0)
+    url, srv = _health_server(503)
+    try:
+        with pytest.raises(ConnectionError, match="not ready yet"):
+            check_server(url, 5.0)
+    finally:
+        srv.shutdown()  # type: ignore[attr-defined]
+    for status in (200, 404):  # up, or a server without /health: the prompts judge it
+        url, srv = _health_server(status)
+        try:
+            check_server(url, 5.0)
+        finally:
+            srv.shutdown()  # type: ignore[attr-defined]
+
+
+def test_cli_says_no_server_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    fixture = Path(__file__).resolve().parent / "fixtures" / "dsv41-tiny-reference" / "checkpoint"
+    rc = main(["accuracy", "--base-url", "http://127.0.0.1:1", "--model-path", str(fixture)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("dsv4cp accuracy: no server answers at http://127.0.0.1:1 (")

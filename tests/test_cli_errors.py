@@ -66,6 +66,10 @@ GPU_CASES = [
     (["check", "--device", "cuda", "--cp-backend", "fake"], "--device cuda: no CUDA device"),
     (["demo", "--device", "cuda"], "--device cuda: no CUDA device is available"),
     (["profile", "--device", "cuda"], "--device cuda: no CUDA device is available"),
+    (
+        ["reference-check", "--checkpoint", "x", "--reference", "y", "--device", "cuda"],
+        "--device cuda: no CUDA device is available",
+    ),
 ]
 
 

@@ -416,6 +416,7 @@ def test_accuracy_cli(server: Server, checkpoint: Path) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "PASS" in res.stdout
+    assert "accuracy: prompt 6/6" in res.stderr  # progress while the runner compares
 
 
 def test_shutdown_sigterm(server: Server) -> None:

@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 quant=args.quant,
                 timeout_s=args.timeout,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
             )
     except (
         OSError,

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from dsv4cp.commands.common import positive_int
+from dsv4cp.commands.common import check_device, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         run_reference_check,
     )
 
+    check_device(args)  # --device cuda without a GPU: one line, exit 2 (it was a traceback, exit 1)
     try:
         crit = Criteria(
             args.ulps, args.min_block_share, args.min_topk_share, args.max_logits_rms, args.min_top1

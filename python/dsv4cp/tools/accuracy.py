@@ -16,6 +16,7 @@ import math
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,26 @@ def post_generate(base_url: str, payload: dict, timeout_s: float = 300.0) -> dic
         detail = " ".join(str(e).split())  # BadStatusLine quotes the line, newline included
         raise ConnectionError(f"not a valid HTTP answer ({type(e).__name__}: {detail})") from None
     return json.loads(body)
+
+
+def check_server(base_url: str, timeout_s: float = 30.0) -> None:
+    """ConnectionError unless a server answers at `base_url`: nothing listening, or SGLang still
+    starting (`/health` 503), is one message before any prompt is sent or the runner is built.
+    Any other answer (a server without `/health` included) is left to the prompts to judge."""
+    url = base_url.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code == 503:
+            raise ConnectionError(
+                f"the server at {base_url} is not ready yet (/health: HTTP 503); wait for it"
+            ) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        why = getattr(e, "reason", e)
+        raise ConnectionError(
+            f"no server answers at {base_url} ({why}); start it first (docs/sglang.md)"
+        ) from None
 
 
 def greedy_payload(input_ids: list[int], max_new_tokens: int, top_k: int) -> dict:
@@ -342,12 +363,19 @@ def run_accuracy(
     quant: str = "auto",
     prompts: tuple[str, ...] = PROMPTS,
     timeout_s: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
+    """The server's greedy answers to `prompts` against dsv4cp's runner on the same checkpoint;
+    `progress` gets a line per stage and per prompt (the runner's teacher-forced pass on CPU
+    takes minutes)."""
+    say = progress or (lambda _: None)
     if not (math.isfinite(atol) and atol >= 0):
         raise ValueError(f"atol must be a finite number >= 0, got {atol}")
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
     tok = load_tokenizer(model_path)
+    check_server(base_url, min(timeout_s, 30.0))
+    say(f"accuracy: building dsv4cp's runner on {model_path}")
     ref = Reference(model_path, dtype, quant)
     # Prompts longer than the model's context (a tiny checkpoint's) keep their first tokens.
     keep = max(1, ref.context - max_new_tokens)
@@ -359,10 +387,12 @@ def run_accuracy(
         except (urllib.error.URLError, OSError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
 
+    say(f"accuracy: sending {len(ids)} prompts ({concurrency} at a time) to {base_url}")
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         answers = list(pool.map(ask, ids))
     report = Report(atol)
     for i, (p, ans) in enumerate(zip(ids, answers)):
+        say(f"accuracy: prompt {i + 1}/{len(ids)} ({len(p)} tokens): teacher-forced comparison")
         if isinstance(ans, str):
             report.results.append(PromptResult(i, len(p), 0, 0, 0, None, 0.0, 0.0, 0.0, ans))
             continue

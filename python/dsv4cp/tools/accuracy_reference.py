@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv4cp.tools.accuracy import greedy_payload, incomplete_answer, post_generate
+from dsv4cp.tools.accuracy import (
+    check_server,
+    greedy_payload,
+    incomplete_answer,
+    post_generate,
+)
 
 REQUIRED_KEYS = ("input_ids", "full_logits", "decoded_ids", "decode_logits")
 
@@ -278,6 +283,7 @@ def run_reference(
     timeout_s: float = 300.0,
 ) -> ReferenceReport:
     ref = ReferenceOutputs.load(path)
+    check_server(base_url, min(timeout_s, 30.0))
     top_k = min(top_k, int(ref.prefill_lp.shape[-1]))
     try:
         answer = post_generate(base_url, reference_payload(ref, top_k), timeout_s)
