@@ -31,14 +31,40 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv4cp",
-        description="DeepSeek-V4.1 prefill under context parallelism (CP), multistream and BCG.",
+        description="DeepSeek-V4.1 prefill under context parallelism (CP), multistream side "
+        "streams and breakable CUDA graphs (BCG).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
         mod = importlib.import_module(module)
         p = mod.add_parser(sub)
         p.set_defaults(_run=mod.run)
+        # `<command> --help` opens with the one-line summary `dsv4cp --help` lists, and every
+        # flag with a help text shows its default
+        summary = next((a.help for a in sub._choices_actions if a.dest == p.prog.split()[-1]), None)
+        p.description = p.description or summary
+        p.formatter_class = _DefaultsShown
     return parser
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """A flag's default after its help, unless the help already says it or there is none to
+    show (a required flag, a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not text
+            or "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default {shown})".replace("%", "%%")
 
 
 def _reported(e: Exception, command: str) -> int | None:

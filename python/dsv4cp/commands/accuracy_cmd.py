@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--model-path", required=True, help="the checkpoint the server runs")
-    p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=16, help="greedy tokens per prompt"
+    )
     p.add_argument("--top-logprobs", type=positive_int, default=5, help="top-k logprobs compared")
     p.add_argument(
         "--atol",

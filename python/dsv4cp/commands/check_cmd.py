@@ -108,14 +108,6 @@ def run(args: argparse.Namespace) -> int:
     check_fake_side_streams(args, backend)
     check_cpu_size(args, base.lens)
     log = sys.stderr if args.json else sys.stdout
-    print(
-        f"[1/2] CP=1 reference: lens={list(base.lens)} prefix={list(base.prefix)} "
-        f"chunk={base.chunk} device={base.device}",
-        file=log,
-        flush=True,
-    )
-    t0 = time.perf_counter()
-    ref = run_scenario(base)
     variants = [("serial", base)]
     for ms in [False, True] if args.multistream else [False]:
         for graphs in [False, True] if args.graphs else [False]:
@@ -124,9 +116,18 @@ def run(args: argparse.Namespace) -> int:
                 variants.append((name, replace(base, multistream=ms, graphs=graphs)))
     if args.ep:
         variants.append((f"ep={args.cp}", replace(base, ep=True)))
+    steps = 1 + len(variants)  # the CP=1 reference, then each CP variant against it
+    print(
+        f"[1/{steps}] CP=1 reference: lens={list(base.lens)} prefix={list(base.prefix)} "
+        f"chunk={base.chunk} device={base.device}",
+        file=log,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    ref = run_scenario(base)
     reports = {}
-    for name, sc in variants:
-        print(f"[2/2] CP={args.cp} ({backend}, {name}) ...", file=log, flush=True)
+    for step, (name, sc) in enumerate(variants, start=2):
+        print(f"[{step}/{steps}] CP={args.cp} ({backend}, {name}) ...", file=log, flush=True)
         got, _ = run_cp_scenario(sc, args.cp, backend, timeout_s=args.timeout, check_order=True)
         # Graph replays record no per-layer rows: compare what both runs have.
         expected = {k: v for k, v in ref.items() if not sc.graphs or k in got}

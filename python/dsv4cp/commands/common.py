@@ -98,7 +98,7 @@ def add_cp_args(p: argparse.ArgumentParser, default_cp: int = 2) -> None:
         help="gloo processes (CPU default), nccl processes (CUDA default, one GPU "
         "per rank) or fake (every rank as a thread of this process)",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--seed", type=seed_int, default=0, help="in [0, 2**32) (default 0)")
     p.add_argument(
         "--timeout",

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
     cfg = sc.config
-    what = sc.checkpoint or "tiny config (attention-math §11.1) + mHC + MoE, random weights"
+    what = sc.checkpoint or "tiny config (window 16) + mHC + MoE, random weights"
     print(f"dsv4cp demo: DeepSeek-V4.1, {what}, {sc.dtype}, quant={sc.quant}")
     print(f"  layers: {', '.join(f'{r.layer}:{r.name}' for r in cfg.layer_roles())}")
     print(
@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"      {t2:.2f} s (including process start-up)")
     rep = summarize(compare(ref, got), 1e-5)
     print(f"\nCP={args.cp} vs CP=1, largest relative difference (fp32, tolerance 1e-5):")
+    print("  (hidden: the layer's output rows. role: swa = window only; rN = compressed keys at")
+    print("  ratio N; kv_source computes them, index_source its own top-k, reuse_topk an earlier")
+    print("  layer's; candidate_source publishes blocks a candidate_consumer picks within)")
     print(f"  {'layer':<8} {'role':<36} {'hidden':>10}")
     for i, role in enumerate(cfg.layer_roles()):
         v = rep["layers_max_rel"].get(f"layer{i}")
