@@ -42,30 +42,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective (CP)")
     p.add_argument("--ulps", type=float, default=d.ulps, help="bf16 ulps an element may differ")
-    p.add_argument(
-        "--min-block-share",
-        type=float,
-        default=d.block_share,
-        help="share of tokens whose block output must agree within --ulps, per block",
-    )
-    p.add_argument(
-        "--min-topk-share",
-        type=float,
-        default=d.topk_share,
-        help="share of queries whose index top-k must match up to ties, per index layer",
-    )
-    p.add_argument(
-        "--max-logits-rms",
-        type=float,
-        default=d.logits_rms_rel,
-        help="largest relative rms difference of the logits",
-    )
-    p.add_argument(
-        "--min-top1",
-        type=float,
-        default=d.logits_top1,
-        help="share of positions whose top-1 token must match",
-    )
+    for flag, default, what in (
+        ("--min-block-share", d.block_share, "tokens whose block output agrees within --ulps"),
+        ("--min-topk-share", d.topk_share, "queries whose index top-k matches up to ties"),
+        ("--max-logits-rms", d.logits_rms_rel, "largest relative rms difference of the logits"),
+        ("--min-top1", d.logits_top1, "positions whose top-1 token matches"),
+    ):
+        what = f"share of {what}" if flag.startswith("--min") else what
+        p.add_argument(flag, type=float, default=default, help=what)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
