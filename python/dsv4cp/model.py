@@ -304,7 +304,9 @@ class DeepseekV41Model(nn.Module):
         if kind != "released":
             raise CheckpointError(
                 f"{os.fspath(path)} is a dsv4cp export (config.json model_type "
-                f"{EXPORT_MODEL_TYPE!r}); load it with from_pretrained"
+                f"{EXPORT_MODEL_TYPE!r}), not a released-format checkpoint: the CLI's "
+                "--checkpoint reads released checkpoints only; in Python, load an export with "
+                "DeepseekV41Model.from_pretrained"
             )
         config = DeepseekV41Config.from_hf(path)
         model = cls(config, dtype=dtype, device=device, seed=None, quant=quant, ep=ep)
