@@ -174,5 +174,5 @@ def test_cp_size_bounded_by_the_backend(monkeypatch: pytest.MonkeyPatch) -> None
         FakeCPWorld(4)
     assert FakeCPWorld(3).cp_size == 3
     monkeypatch.setenv("DSV4CP_MAX_CP_RANKS", "many")
-    with pytest.raises(ValueError, match="DSV4CP_MAX_CP_RANKS must be a positive integer"):
+    with pytest.raises(ValueError, match="DSV4CP_MAX_CP_RANKS must be an integer >= 1"):
         run_cp(2, _sleep_then_return, backend="gloo")

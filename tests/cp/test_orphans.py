@@ -137,10 +137,15 @@ def test_spawn_ranks_parent_death_mid_forward(sig: signal.Signals, tmp_path: Pat
         _cleanup(parent, marker)
 
 
+# The launcher as a terminal starts it: Ctrl-C raises KeyboardInterrupt. A shell that runs the
+# suite in the background (`nohup … &`, as CI may) starts it with SIGINT ignored, and Python then
+# installs no handler: the interrupt would be lost and the test would hang until its timeout.
 INTERRUPT_SCRIPT = """
-import sys, time, torch
+import signal, sys, time, torch
 from pathlib import Path
 from dsv4cp.cp.launch import spawn_ranks
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def fn(group, folder):
     Path(folder, f"rank{group.rank}").write_text("in the forward")
