@@ -97,12 +97,10 @@ def _reported(e: Exception, command: str) -> int | None:
 def _check_environment(command: str) -> int | None:
     """Every set DSV4CP_* variable parsed before any work: a bad value is one line and exit 2
     (not an error in the middle of a forward); an unknown DSV4CP_* name is a warning."""
-    from dsv4cp import env_vars
-    from dsv4cp.routing import routes_off
+    from dsv4cp.routing import check_environment
 
     try:
-        warnings = env_vars.check_environment()
-        routes_off()  # DSV4CP_KERNELS_OFF's names against the routes
+        warnings = check_environment()
     except ValueError as e:
         print(f"dsv4cp {command}: {e}", file=sys.stderr)
         return 2

@@ -106,6 +106,15 @@ def routes_off() -> frozenset[str]:
     return names
 
 
+def check_environment() -> list[str]:
+    """`env_vars.check_environment` (EnvVarError on a bad value; the unknown-name warnings) and
+    DSV4CP_KERNELS_OFF's names against the routes: what the CLI and the SGLang plugin check at
+    start."""
+    warnings = env_vars.check_environment()
+    routes_off()
+    return warnings
+
+
 def use_kernels(x: Tensor, name: str | None = None) -> bool:
     """Whether an op whose first tensor is `x` (the route `name`, if given) runs its Triton
     kernel."""
@@ -166,6 +175,7 @@ __all__ = [
     "ENV_FLAG",
     "OFF_FLAG",
     "ROUTES",
+    "check_environment",
     "apply_rope",
     "candidate_blocks",
     "compress_entries",

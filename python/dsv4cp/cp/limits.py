@@ -13,6 +13,7 @@ hard limit.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 
@@ -26,8 +27,7 @@ MAX_RANKS_ENV = "DSV4CP_MAX_CP_RANKS"
 
 
 def _env_override() -> int | None:
-    value: int | None = env_vars.read(MAX_RANKS_ENV)
-    return value
+    return cast(int | None, env_vars.read(MAX_RANKS_ENV))
 
 
 def cp_limit(backend: str) -> tuple[int, str]:

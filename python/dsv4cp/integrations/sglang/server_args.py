@@ -20,7 +20,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4cp import env_vars
 from dsv4cp.config import UPSTREAM_MODEL_TYPE
 from dsv4cp.integrations.sglang import MODEL_TYPE
 
@@ -366,11 +365,10 @@ def check_server_args(args: Any) -> CPSettings:
 def check_environment() -> None:
     """Every set DSV4CP_* variable parsed (Dsv4cpServerArgsError names a bad one); an unknown
     DSV4CP_* name is logged once as a warning."""
-    from dsv4cp.routing import routes_off
+    from dsv4cp.routing import check_environment as check_dsv4cp_environment
 
     try:
-        warnings = env_vars.check_environment()
-        routes_off()
+        warnings = check_dsv4cp_environment()
     except ValueError as e:
         raise Dsv4cpServerArgsError(f"dsv4cp: {e}") from None
     for line in warnings:
