@@ -33,6 +33,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def dot_flags(dtype: torch.dtype) -> dict[str, object]:
+    """The tl.dot launch flags for operands of `dtype`: UPCAST (the CPU interpreter computes
+    bf16/fp16 tl.dot wrongly — numpy has no bf16 — so the kernel casts to fp32 there), DOT_PREC
+    ("ieee" for fp32 operands, else "tf32", which bf16/fp16 dots ignore) and RNE (the interpreter
+    truncates fp32 → bf16; `to_dtype` rounds on the bits there)."""
+    return {
+        "UPCAST": interpreting() and dtype != torch.float32,
+        "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",
+        "RNE": interpreting(),
+    }
+
+
 @triton.jit
 def to_dtype(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """fp32 → DTYPE with round-to-nearest-even. The CPU interpreter truncates fp32 → bf16, so

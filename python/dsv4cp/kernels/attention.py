@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import dot_flags, to_dtype
 from dsv4cp.kernels.kv_decode import FORMAT_CODES, load_key_rows
 from dsv4cp.ops.kv_format import check_format, row_width
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
@@ -405,11 +405,8 @@ def _launch(
         BLOCK_N=block_n,
         SWA_FMT=swa_fmt,
         COMP_FMT=comp_fmt,
-        # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
-        UPCAST=interpreting() and q.dtype != torch.float32,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        **dot_flags(q.dtype),
         QAT=qat,
-        RNE=interpreting(),  # the interpreter truncates fp32 → bf16
         num_warps=warps,
         num_stages=stages,
     )

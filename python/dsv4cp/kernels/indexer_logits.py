@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting, to_dtype
+from dsv4cp.kernels._triton import dot_flags, interpreting, to_dtype
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
@@ -278,9 +278,8 @@ def launch_mqa_logits(
         k.stride(0),
         out.stride(0),
     )
-    # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
-    upcast = interpreting() and q.dtype != torch.float32
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    flags = dot_flags(q.dtype)
+    dots = {"UPCAST": flags["UPCAST"], "DOT_PREC": flags["DOT_PREC"]}  # these kernels: no RNE
     _mqa_logits_kernel[grid](
         *args,
         HAS_KSTART=k_start is not None,
@@ -288,8 +287,7 @@ def launch_mqa_logits(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         STAGES=stages,
-        UPCAST=upcast,
-        DOT_PREC=prec,
+        **dots,
         QAT=qat,
         EMULATE=interpreting(),
         num_warps=warps,
@@ -302,8 +300,7 @@ def launch_mqa_logits(
             H_PAD=max(16, triton.next_power_of_2(h)),
             BLOCK_T=block_t,
             BLOCK_N=block_n,
-            UPCAST=upcast,
-            DOT_PREC=prec,
+            **dots,
             QAT=qat,
             EMULATE=interpreting(),
             num_warps=4,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.index_score import add_heads, head_term, index_score
 from dsv4cp.kernels.kv_decode import FORMAT_CODES, load_key_rows
 from dsv4cp.ops.kv_format import check_format, row_width
@@ -244,10 +244,7 @@ def launch_mqa_logits_cached(
         BLOCK_N=block_n,
         FMT=FORMAT_CODES[k_format],
         QAT=qat,
-        # The CPU interpreter computes bf16 tl.dot wrongly (numpy has no bf16): upcast there.
-        UPCAST=interpreting() and q.dtype != torch.float32,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        RNE=interpreting(),  # the interpreter truncates fp32 → bf16
+        **dot_flags(q.dtype),
         PACKED=True,  # the qat steps two values per asm block (not in the interpreter: RNE)
         num_warps=warps,
         num_stages=stages,

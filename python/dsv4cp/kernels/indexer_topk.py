@@ -37,7 +37,7 @@ import torch
 import triton
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
@@ -193,8 +193,6 @@ def launch_mqa_topk(
             launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
                            block_n, cap, nb, qat, key_bits, packed)  # fmt: skip
             return out, None
-    upcast = interpreting() and q.dtype != torch.float32
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     same = dict(  # the scan launches' common arguments: the sample's, the seeded, the redo
         RG=row_group,
         KEY_BITS=key_bits,
@@ -204,10 +202,8 @@ def launch_mqa_topk(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         STAGES=stages,
-        UPCAST=upcast,
-        DOT_PREC=prec,
+        **dot_flags(q.dtype),
         QAT=qat,
-        RNE=interpreting(),
         PACKED=packed,
         num_warps=warps,
         num_stages=stages,

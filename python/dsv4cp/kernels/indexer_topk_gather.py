@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.index_score import head_term, index_score
 from dsv4cp.kernels.running_topk import cut_rows
 from dsv4cp.kernels.topk import _sortable
@@ -140,7 +140,5 @@ def launch_gather(
         K=out.shape[1], K_PAD=triton.next_power_of_2(out.shape[1]), CAP=cap, KEY_BITS=key_bits,
         HAS_KSTART=k_start is not None, D=d, H_PAD=max(16, triton.next_power_of_2(h)),
         BS=block_size, BPT=block_n // block_size,
-        UPCAST=interpreting() and q.dtype != torch.float32,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        QAT=qat, RNE=interpreting(), PACKED=packed, num_warps=4,
+        **dot_flags(q.dtype), QAT=qat, PACKED=packed, num_warps=4,
     )  # fmt: skip
