@@ -112,7 +112,7 @@ def test_qat_on_cp_ranks_and_chunks(qat_report, capsys, extra) -> None:
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys) -> None:
     rc = main(["reference-check", "--checkpoint", str(fx.CHECKPOINT), "--reference", "nope"])
     err = capsys.readouterr().err
-    assert rc == 2 and "no reference file" in err and "Traceback" not in err
+    assert rc == 2 and "no reference outputs file" in err and "Traceback" not in err
     partial = tmp_path / "partial.safetensors"
     save_file({"input_ids": fx.reference()["input_ids"]}, str(partial))
     rc = main(["reference-check", "--checkpoint", str(fx.CHECKPOINT), "--reference", str(partial)])

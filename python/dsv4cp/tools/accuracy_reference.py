@@ -41,6 +41,7 @@ from dsv4cp.tools.accuracy import (
     incomplete_answer,
     post_generate,
 )
+from dsv4cp.tools.reference_file import read_reference_tensors
 
 REQUIRED_KEYS = ("input_ids", "full_logits", "decoded_ids", "decode_logits")
 
@@ -72,17 +73,7 @@ class ReferenceOutputs:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ReferenceOutputs:
-        from safetensors.torch import load_file
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no reference outputs file at {path}")
-        try:
-            t = load_file(str(path))
-        except Exception as e:  # safetensors' own error types
-            raise ValueError(f"{path}: not a safetensors file ({e})") from None
-        missing = [k for k in REQUIRED_KEYS if k not in t]
-        if missing:
-            raise ValueError(f"{path}: missing keys {missing} (see the fixture README)")
+        t = read_reference_tensors(path, REQUIRED_KEYS)
         for key in REQUIRED_KEYS:  # ids integer, logits floating and finite
             v, ids_key = t[key], key.endswith("_ids")
             if v.dtype == torch.bool or v.is_floating_point() == ids_key:

@@ -9,32 +9,48 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from dsv4cp.model import DeepseekV41Model
+if TYPE_CHECKING:
+    from dsv4cp.model import DeepseekV41Model
 
 REQUIRED = ("input_ids", "full_logits")
+
+
+def read_reference_tensors(
+    path: str | os.PathLike[str], required: tuple[str, ...]
+) -> dict[str, Tensor]:
+    """A reference outputs file's tensors, with `required` keys present: one ValueError naming
+    the file when it is not there, not safetensors, or lacks a key. The reading both
+    `reference-check` and `accuracy --reference` start from; each then checks the keys it
+    reads."""
+    from safetensors.torch import load_file
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"no reference outputs file at {file}")
+    try:
+        ref = load_file(str(file))
+    except Exception as e:  # safetensors' own error types
+        raise ValueError(f"{file}: not a safetensors file ({e})") from None
+    missing = [k for k in required if k not in ref]
+    if missing:
+        raise ValueError(f"{file}: lacks {missing} (see the fixture README)")
+    return ref
 
 
 def load_reference(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """The reference outputs, checked: the required keys, and every key the check reads (see the
     module docstring) of an integer or floating dtype as it must be, of the shape its
     `input_ids` implies, floats finite; an optional `summary.json` beside it is read too."""
-    from safetensors.torch import load_file
-
     file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"reference-check: no reference file at {file}")
     try:
-        ref = load_file(str(file))
-    except Exception as e:  # safetensors' own error types
-        raise ValueError(f"reference-check: {file} is not a safetensors file ({e})") from None
-    missing = [k for k in REQUIRED if k not in ref]
-    if missing:
-        raise ValueError(f"reference-check: {file} lacks {missing}")
+        ref = read_reference_tensors(file, REQUIRED)
+    except ValueError as e:
+        raise ValueError(f"reference-check: {e}") from None
     ids, logits = ref["input_ids"], ref["full_logits"]
     if ids.dim() != 2 or ids.shape[0] != 1 or not _integer(ids) or ids.numel() == 0:
         raise ValueError(
