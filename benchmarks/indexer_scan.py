@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     variants += [(f"row_group={g}", {"row_group": g, "route": "scan"}) for g in (2, 8)]
     variants += [("cap=2048", {"cap": 2048, "route": "scan"})]
     variants += [("seed=off", {"seed_stride": 0, "route": "scan"})]
-    variants += [(f"seed_stride={v}", {"seed_stride": v, "route": "scan"}) for v in (64, 256)]
+    variants += [(f"seed_stride={v}", {"seed_stride": v, "route": "scan"}) for v in (64, 256, 1024)]
     variants += [(f"config={c}", {"config": c, "route": "scan"}) for c in CONFIGS if c != shipped]
     variants += [
         (f"pieces={p}", {"pieces": int(p), "route": "scan"}) for p in args.pieces.split(",") if p

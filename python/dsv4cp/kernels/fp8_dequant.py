@@ -25,6 +25,8 @@ from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp8_blocks
 from dsv4cp.ops.quant import scale_to_float
 
 CONFIG = (32, 128, 4)  # BLOCK_R, BLOCK_K, num_warps (benchmarks/fp8_dequant.py: §13)
+SCALE_TILE = False  # scales loaded per element (from L1) or per block and broadcast
+STREAM = False  # streaming cache hints on the weight's load and the copy's store
 
 
 @triton.jit
@@ -43,21 +45,46 @@ def _dequant_fp8_kernel(
     OUT_DTYPE: tl.constexpr,
     EMULATE: tl.constexpr,
     E8M0: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rows < N)[:, None] & (cols < K)[None, :]
     r = rows[:, None]
-    code = tl.load(w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(scale_ptr + (r // BLOCK) * stride_s + (cols // BLOCK)[None, :], mask=ok, other=0)
+    if STREAM:  # the weight is read once and the copy written once: keep neither in L2
+        code = tl.load(
+            w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first"
+        )
+    else:
+        code = tl.load(w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0)
+    code = code.to(tl.float32)
+    if SCALE_TILE:  # the tile's [BLOCK_R/BLOCK, BLOCK_K/BLOCK] scales, broadcast over blocks
+        SR: tl.constexpr = BLOCK_R // BLOCK
+        SK: tl.constexpr = BLOCK_K // BLOCK
+        srows = tl.program_id(0).to(tl.int64) * SR + tl.arange(0, SR)
+        scols = tl.program_id(1) * SK + tl.arange(0, SK)
+        s_ok = (srows < tl.cdiv(N, BLOCK))[:, None] & (scols < tl.cdiv(K, BLOCK))[None, :]
+        s = tl.load(scale_ptr + srows[:, None] * stride_s + scols[None, :], mask=s_ok, other=0)
+    else:
+        s = tl.load(
+            scale_ptr + (r // BLOCK) * stride_s + (cols // BLOCK)[None, :], mask=ok, other=0
+        )
     if E8M0:  # the scale's byte b → 2^(b−127) as ops.quant.e8m0_to_float
         b = s.to(tl.int32)
         s = (b << 23).to(tl.float32, bitcast=True)
         s = tl.where(b == 0, 2.0**-127, s)
         s = tl.where(b == 255, float("nan"), s)
-    tl.store(
-        out_ptr + r * stride_o + cols[None, :], to_dtype(code * s, OUT_DTYPE, EMULATE), mask=ok
-    )
+    if SCALE_TILE:
+        x = tl.reshape(code, (SR, BLOCK, SK, BLOCK)) * s[:, None, :, None]
+        x = tl.reshape(x, (BLOCK_R, BLOCK_K))
+    else:
+        x = code * s
+    y = to_dtype(x, OUT_DTYPE, EMULATE)
+    if STREAM:
+        tl.store(out_ptr + r * stride_o + cols[None, :], y, mask=ok, cache_modifier=".cs")
+    else:
+        tl.store(out_ptr + r * stride_o + cols[None, :], y, mask=ok)
 
 
 def dequant_fp8_blocks(
@@ -68,10 +95,14 @@ def dequant_fp8_blocks(
     out_dtype: torch.dtype = torch.float32,
     config: tuple[int, int, int] | None = None,
     host_scales: bool = False,
+    scale_tile: bool = SCALE_TILE,
+    stream: bool = STREAM,
 ) -> Tensor:
     """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] → out_dtype [N, K]
-    (exact in fp32 and bf16). `config` (BLOCK_R, BLOCK_K, num_warps) and `host_scales` (e8m0
-    scales converted by torch first, as before) are for benchmarks and tests."""
+    (exact in fp32 and bf16). `config` (BLOCK_R, BLOCK_K, num_warps), `host_scales` (e8m0
+    scales converted by torch first, as before), `scale_tile` (one scale load per block,
+    broadcast; needs BLOCK_R and BLOCK_K multiples of `block`) and `stream` (streaming cache
+    hints) are for benchmarks and tests."""
     n, k = check_fp8_blocks(w, scale, block, "dequant_fp8_blocks")
     check_out_dtype(out_dtype, "dequant_fp8_blocks")
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -81,6 +112,11 @@ def dequant_fp8_blocks(
     block_r, block_k, warps = config or CONFIG
     if any(v < 1 or v & (v - 1) for v in (block_r, block_k, warps)):
         raise ValueError(f"dequant_fp8_blocks: config {config} must be powers of two")
+    if scale_tile and (block_r % block or block_k % block):
+        raise ValueError(
+            f"dequant_fp8_blocks: scale_tile needs tile rows and columns ({block_r}, {block_k})"
+            f" that are multiples of the block ({block})"
+        )
     if n and k:
         _dequant_fp8_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_k))](
             w,
@@ -97,6 +133,8 @@ def dequant_fp8_blocks(
             OUT_DTYPE=TL_DTYPES[out_dtype],
             EMULATE=interpreting(),
             E8M0=e8m0,
+            SCALE_TILE=scale_tile,
+            STREAM=stream and not interpreting(),
             num_warps=warps,
         )
     return out
