@@ -95,8 +95,8 @@ def dequant_fp8_blocks(
     out_dtype: torch.dtype = torch.float32,
     config: tuple[int, int, int] | None = None,
     host_scales: bool = False,
-    scale_tile: bool = SCALE_TILE,
-    stream: bool = STREAM,
+    scale_tile: bool | None = None,
+    stream: bool | None = None,
 ) -> Tensor:
     """fp8 weight [N, K] with block scales [ceil(N/block), ceil(K/block)] → out_dtype [N, K]
     (exact in fp32 and bf16). `config` (BLOCK_R, BLOCK_K, num_warps), `host_scales` (e8m0
@@ -110,6 +110,8 @@ def dequant_fp8_blocks(
     s = (scale.view(torch.uint8) if e8m0 else scale_to_float(scale)).contiguous()
     out = torch.empty(n, k, dtype=out_dtype, device=w.device)
     block_r, block_k, warps = config or CONFIG
+    scale_tile = SCALE_TILE if scale_tile is None else scale_tile
+    stream = STREAM if stream is None else stream
     if any(v < 1 or v & (v - 1) for v in (block_r, block_k, warps)):
         raise ValueError(f"dequant_fp8_blocks: config {config} must be powers of two")
     if scale_tile and (block_r % block or block_k % block):
