@@ -48,43 +48,45 @@ def _dequant_fp8_kernel(
     SCALE_TILE: tl.constexpr,
     STREAM: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rows < N)[:, None] & (cols < K)[None, :]
-    r = rows[:, None]
-    if STREAM:  # the weight is read once and the copy written once: keep neither in L2
-        code = tl.load(
-            w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first"
-        )
-    else:
-        code = tl.load(w_ptr + r * stride_w + cols[None, :], mask=ok, other=0.0)
-    code = code.to(tl.float32)
-    if SCALE_TILE:  # the tile's [BLOCK_R/BLOCK, BLOCK_K/BLOCK] scales, broadcast over blocks
+    if SCALE_TILE:  # 4-D tiles [row block, row, column block, column]: scales broadcast
         SR: tl.constexpr = BLOCK_R // BLOCK
         SK: tl.constexpr = BLOCK_K // BLOCK
-        srows = tl.program_id(0).to(tl.int64) * SR + tl.arange(0, SR)
-        scols = tl.program_id(1) * SK + tl.arange(0, SK)
-        s_ok = (srows < tl.cdiv(N, BLOCK))[:, None] & (scols < tl.cdiv(K, BLOCK))[None, :]
-        s = tl.load(scale_ptr + srows[:, None] * stride_s + scols[None, :], mask=s_ok, other=0)
+        sr = tl.program_id(0).to(tl.int64) * SR + tl.arange(0, SR)
+        sk = tl.program_id(1) * SK + tl.arange(0, SK)
+        within = tl.arange(0, BLOCK)
+        r = (sr[:, None] * BLOCK + within[None, :])[:, :, None, None]
+        c = (sk[:, None] * BLOCK + within[None, :])[None, None, :, :]
+        ok = (r < N) & (c < K)
+        s_ok = (sr < tl.cdiv(N, BLOCK))[:, None] & (sk < tl.cdiv(K, BLOCK))[None, :]
+        s = tl.load(scale_ptr + sr[:, None] * stride_s + sk[None, :], mask=s_ok, other=0)
+        s = _decode_scale(s, E8M0)[:, None, :, None]
     else:
-        s = tl.load(
-            scale_ptr + (r // BLOCK) * stride_s + (cols // BLOCK)[None, :], mask=ok, other=0
-        )
-    if E8M0:  # the scale's byte b → 2^(b−127) as ops.quant.e8m0_to_float
+        r = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+        c = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
+        ok = (r < N) & (c < K)
+        s = tl.load(scale_ptr + (r // BLOCK) * stride_s + c // BLOCK, mask=ok, other=0)
+        s = _decode_scale(s, E8M0)
+    if STREAM:  # the weight is read once and the copy written once: keep neither in L2
+        code = tl.load(w_ptr + r * stride_w + c, mask=ok, other=0.0, eviction_policy="evict_first")
+    else:
+        code = tl.load(w_ptr + r * stride_w + c, mask=ok, other=0.0)
+    y = to_dtype(code.to(tl.float32) * s, OUT_DTYPE, EMULATE)
+    if STREAM:
+        tl.store(out_ptr + r * stride_o + c, y, mask=ok, cache_modifier=".cs")
+    else:
+        tl.store(out_ptr + r * stride_o + c, y, mask=ok)
+
+
+@triton.jit
+def _decode_scale(s, E8M0: tl.constexpr):
+    """Scales as fp32: an e8m0 byte b → 2^(b−127) as ops.quant.e8m0_to_float (0 → 2^−127, 255
+    → NaN); fp32 scales as they are."""
+    if E8M0:
         b = s.to(tl.int32)
         s = (b << 23).to(tl.float32, bitcast=True)
         s = tl.where(b == 0, 2.0**-127, s)
         s = tl.where(b == 255, float("nan"), s)
-    if SCALE_TILE:
-        x = tl.reshape(code, (SR, BLOCK, SK, BLOCK)) * s[:, None, :, None]
-        x = tl.reshape(x, (BLOCK_R, BLOCK_K))
-    else:
-        x = code * s
-    y = to_dtype(x, OUT_DTYPE, EMULATE)
-    if STREAM:
-        tl.store(out_ptr + r * stride_o + cols[None, :], y, mask=ok, cache_modifier=".cs")
-    else:
-        tl.store(out_ptr + r * stride_o + cols[None, :], y, mask=ok)
+    return s
 
 
 def dequant_fp8_blocks(
