@@ -40,8 +40,6 @@ def test_bad_input_is_named() -> None:
         dequant_fp8_blocks(w, torch.ones(2, 2), out_dtype=torch.int32)
     with pytest.raises(ValueError, match="must be powers of two"):
         dequant_fp8_blocks(w, torch.ones(2, 2), config=(3, 32, 1))
-    with pytest.raises(ValueError, match="multiples of the block"):
-        dequant_fp8_blocks(w, torch.ones(2, 2), config=(16, 64, 4), scale_tile=True)
 
 
 @pytest.mark.slow
@@ -57,14 +55,8 @@ def test_compiles_for_sm90() -> None:
         for e8m0, scale in ((True, "*u8"), (False, "*fp32")):
             types = ["*fp8e4nv", scale, f"*{name}", "i32", "i32", "i32", "i32", "i32"]
             const = dict(BLOCK=32, BLOCK_R=block_r, BLOCK_K=block_k, OUT_DTYPE=out,
-                         EMULATE=False, E8M0=e8m0, SCALE_TILE=False, STREAM=False)  # fmt: skip
+                         EMULATE=False, E8M0=e8m0)  # fmt: skip
             _compile(_dequant_fp8_kernel, types, const, warps, 1)
-    # the benchmark's variants: scales per block (one and two block rows a tile), streaming hints
-    types = ["*fp8e4nv", "*u8", "*bf16", "i32", "i32", "i32", "i32", "i32"]
-    for tile in ((32, 128), (64, 256)):
-        const = dict(BLOCK=32, BLOCK_R=tile[0], BLOCK_K=tile[1], OUT_DTYPE=tl.bfloat16,
-                     EMULATE=False, E8M0=True, SCALE_TILE=True, STREAM=True)  # fmt: skip
-        _compile(_dequant_fp8_kernel, types, const, 4, 1)
 
 
 # ------------------------------------------------------------------ the cases (child process only)
@@ -100,14 +92,10 @@ def _cases() -> dict[str, object]:
             s = torch.randint(110, 135, ops_linear.fp8_scale_shape(n, k), generator=g)
             s = s.to(torch.uint8).view(torch.float8_e8m0fnu)
             for out in (torch.float32, torch.bfloat16):
-                want = ops_linear.dequant_fp8_blocks(w, s, out_dtype=out)
-                same(kernel.dequant_fp8_blocks(w, s, out_dtype=out), want)
-                # the scales as a tile of blocks, broadcast (one and two block rows per tile)
-                for cfg in ((32, 64, 4), (64, 32, 2)):
-                    got = kernel.dequant_fp8_blocks(
-                        w, s, out_dtype=out, config=cfg, scale_tile=True
-                    )
-                    same(got, want)
+                same(
+                    kernel.dequant_fp8_blocks(w, s, out_dtype=out),
+                    ops_linear.dequant_fp8_blocks(w, s, out_dtype=out),
+                )
         wide = (torch.randn(40, 128, generator=g) * 40).to(torch.float8_e4m3fn)
         view = wide[:, :64]  # rows strided by 128 bytes
         s = torch.full((2, 2), 2.0**-6)
@@ -134,14 +122,7 @@ def _cases() -> dict[str, object]:
         want = ops_linear.dequant_fp8_blocks(w, s)
         nan = want.isnan()
         assert nan[128:].all() and not nan[:128].any()
-        tiled = {"config": (64, 64, 4), "scale_tile": True, "stream": True}
-        for kw in (
-            {},
-            {"host_scales": True},
-            {"config": (32, 64, 4)},
-            {"config": (2, 32, 1)},
-            tiled,
-        ):
+        for kw in ({}, {"host_scales": True}, {"config": (32, 64, 4)}, {"config": (2, 32, 1)}):
             got = kernel.dequant_fp8_blocks(w, s, **kw)  # type: ignore[arg-type]
             assert torch.equal(got.isnan(), nan), kw
             same(got[:128], want[:128])
