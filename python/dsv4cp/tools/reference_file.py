@@ -99,9 +99,8 @@ def _check_layout(ref: dict[str, Tensor], file: Path) -> None:
         read.append(key)
     decoded, steps = ref.get("decoded_ids"), ref.get("decode_logits")
     if decoded is not None:
-        if decoded.dim() != 2 or decoded.shape[0] != 1 or decoded.numel() == 0:
-            raise refuse("decoded_ids", "integer [1, N]")
-        if not _integer(decoded):
+        bad_shape = decoded.dim() != 2 or decoded.shape[0] != 1 or decoded.numel() == 0
+        if bad_shape or not _integer(decoded):
             raise refuse("decoded_ids", "integer [1, N]")
     if steps is not None:
         if steps.dim() != 2 or not steps.is_floating_point() or len(steps) == 0:
