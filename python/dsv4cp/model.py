@@ -51,7 +51,7 @@ from dsv4cp.ops.matmul import linear_rows
 from dsv4cp.ops.moe_experts import GroupedBackend
 from dsv4cp.ops.quant import QuantMode
 from dsv4cp.random_weights import init_random_
-from dsv4cp.schedule import PrepareState, lanes_of
+from dsv4cp.schedule import lanes_of
 
 __all__ = ["WEIGHTS_FILE", "BlockInputHook", "DeepseekV41Model", "LayerHook", "init_random_"]
 
@@ -382,10 +382,7 @@ class DeepseekV41Model(nn.Module):
         attn = self.blocks[layer].attn
         if not attn.role.index_source:
             raise ValueError(f"layer {layer} is not an index source")
-        st = PrepareState(ctx, x=x)
-        for node in (attn._qkv_a, attn._q_norm, attn._indexer_qw):  # the layer's own steps
-            node(st)
-        return attn.index_logits(st["idx_q"], st["idx_w"], ctx)
+        return attn.index_logits(*attn.index_queries(x, ctx), ctx)
 
     def logits(self, h: Tensor) -> Tensor:
         """fp32 logits [..., V]: the final norm in the model dtype, then the fp32 head."""

@@ -285,6 +285,14 @@ class DeepseekV41Attention(nn.Module):
         st["comp_cache"] = cache.compressed[self.layer]
         st["index_cache"] = cache.index[self.layer]
 
+    def index_queries(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """An index source's index queries and head weights of this rank's rows from its
+        attention input x, by the prepare's own nodes run serially (not the forward path)."""
+        st = PrepareState(ctx, x=x)
+        for node in (self._qkv_a, self._q_norm, self._indexer_qw):
+            node(st)
+        return st["idx_q"], st["idx_w"]
+
     def index_logits(
         self, q: Tensor, w: Tensor, ctx: ForwardContext, rows: slice = slice(None)
     ) -> Tensor:
