@@ -22,7 +22,11 @@ def test_auto_uses_streams_only_where_the_policy_and_the_role_pay() -> None:
     auto = ExecutorFactory(MultistreamPolicy(mode="auto"), POOL)
     assert not any(_multi(auto.choose(512, graphs=False)).values())  # eager, few tokens
     picked = _multi(auto.choose(512, graphs=True))
-    assert picked == {r.layer: r.owns_compressor or r.index_source for r in ROLES}
+    # every role but the top-k reuse layers: SWA layers and those with a compressor or indexer
+    assert picked == {
+        r.layer: r.owns_compressor or r.index_source or not r.compressed for r in ROLES
+    }
+    assert [r.layer for r in ROLES if not picked[r.layer]] == [2, 4]  # the tiny config's reuse
     assert any(picked.values()) and not all(picked.values())
     assert _multi(auto.choose(8192, graphs=False)) == picked  # eager from 8192 local rows
     assert not any(_multi(auto.choose(8193, graphs=True)).values())  # above the graph bound

@@ -45,7 +45,25 @@ def test_cp_repeats_give_the_median_and_the_spread(tmp_path: Path) -> None:
         assert r["rank_ms"] == sorted(ranks)[1] and r["cp1_ms"] == pytest.approx(sum(cp1) / 4)
         assert r["rank_over_ideal"] == r["rank_ms"] / (r["cp1_ms"] / 2)
         assert r["rank_over_ideal_min"] <= r["rank_over_ideal_max"]
+        # the CPU has no streams: `auto` runs the serial executor, timed in every repeat
+        serial = sorted(t["serial"] for t in r["rank_ms_by_executor"])
+        assert r["auto_executor"] == "serial" and r["auto_rank_ms"] == serial[1]
+        assert r["auto_rank_over_ideal"] == r["auto_rank_ms"] / (r["cp1_ms"] / 2)
     assert layer_peer.main([*argv[:-4], "--cp-repeats", "0", "--out", str(out)]) == 2
+
+
+def test_auto_executor_is_the_policy_pick_inside_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4cp.config import DeepseekV41Config
+
+    monkeypatch.delenv("DSV4CP_MULTISTREAM", raising=False)
+    monkeypatch.delenv("DSV4CP_MULTISTREAM_MAX_TOKENS", raising=False)
+    roles = DeepseekV41Config.tiny().layer_roles()  # swa, r2 source, r2 reuse, ...
+    picks = [layer_peer.auto_executor(r, 2048, cuda=True) for r in roles]
+    assert picks == ["multistream", "multistream", "serial", "multistream", "serial", "multistream"]
+    assert layer_peer.auto_executor(roles[1], 16384, cuda=True) == "serial"  # above 8192
+    assert layer_peer.auto_executor(roles[1], 2048, cuda=False) == "serial"
+    monkeypatch.setenv("DSV4CP_MULTISTREAM", "off")
+    assert layer_peer.auto_executor(roles[1], 2048, cuda=True) == "serial"
 
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:

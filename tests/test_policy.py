@@ -26,11 +26,11 @@ def test_forced_modes_and_bad_mode() -> None:
         MultistreamPolicy(mode="sometimes")
 
 
-def test_only_layers_with_side_work_fork_in_auto_mode() -> None:
-    cfg = DeepseekV41Config.tiny()
+def test_reuse_layers_stay_serial_in_auto_mode() -> None:
+    cfg = DeepseekV41Config.tiny()  # swa, r2 source, r2 reuse, r1 source, r1 reuse, consumer
     auto, on = MultistreamPolicy(), MultistreamPolicy(mode="on")
     pays = [auto.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers)]
-    assert pays == [False, True, False, True, False, True]
+    assert pays == [True, True, False, True, False, True]
     assert all(on.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers))
 
 

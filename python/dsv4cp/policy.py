@@ -3,10 +3,12 @@
 Eager multistream costs host time per stream switch and event: on the H200 it lost up to 4096
 local tokens and won (2–7%) at 8192, where the GPU work hides the launches. Inside a CUDA graph
 the forks and joins are free graph edges and the overlap paid at every size measured (512–8192)
-for layers with a compressor or an indexer; layers that only store SWA keys gain nothing. The
-default thresholds come from `benchmarks/prepare_overlap.py` (docs/performance.md). With mode
-"auto", `DSV4CP_MULTISTREAM=on|off|auto` overrides the mode and `DSV4CP_MULTISTREAM_MAX_TOKENS=N`
-the graph threshold (`max_tokens_graph`); the eager threshold has no variable.
+for layers with a compressor or an indexer, and for the SWA layers at a CP 4 and CP 8 rank's
+rows; the layers that reuse a top-k measured from 1.9 % slower to 1.1 % faster with streams
+and stay serial. The defaults come from `benchmarks/prepare_overlap.py` and
+`benchmarks/layer_peer.py`'s CP rows (docs/performance.md §3, §21). With mode "auto",
+`DSV4CP_MULTISTREAM=on|off|auto` overrides the mode and `DSV4CP_MULTISTREAM_MAX_TOKENS=N` the
+graph threshold (`max_tokens_graph`); the eager threshold has no variable.
 """
 
 from __future__ import annotations
@@ -62,12 +64,14 @@ class MultistreamPolicy:
         )
 
     def layer_pays(self, role: LayerRole) -> bool:
-        """Only layers with a compressor or an indexer have side work worth a fork: a layer that
-        only stores SWA keys measured the same with and without streams. Forced modes apply to
-        every layer."""
+        """Layers with a compressor or an indexer, and the SWA layers, fork in auto mode. The SWA
+        layers' whole-layer graph time at a CP rank's 2K / 4K rows was 0.8–5.3 % lower with
+        streams (12 samples each, docs/performance.md §21); the top-k reuse layers, whose
+        prepare is the same, measured from 1.9 % slower to 1.1 % faster and stay serial.
+        Forced modes apply to every layer."""
         if self.mode != "auto":
             return True
-        return role.owns_compressor or role.index_source
+        return role.owns_compressor or role.index_source or not role.compressed
 
     def decide(self, local_tokens: int, *, graphs: bool, cuda: bool) -> bool:
         if self.mode == "off":
