@@ -781,8 +781,8 @@ def auto_executor(role: LayerRole, local_rows: int, *, cuda: bool) -> str:
     """The executor ("serial" / "multistream") the `auto` policy (with $DSV4CP_MULTISTREAM*)
     runs for `role` at `local_rows` rows inside CUDA graphs, as `ExecutorFactory.choose` picks."""
     policy = MultistreamPolicy.from_env("auto")
-    use = policy.decide(local_rows, graphs=True, cuda=cuda) and policy.layer_pays(role)
-    return "multistream" if use else "serial"
+    use = policy.decide(local_rows, graphs=True, cuda=cuda)
+    return "multistream" if use and policy.layer_pays(role, local_rows) else "serial"
 
 
 # ------------------------------------------------------------------------------ targets

@@ -28,7 +28,8 @@ def test_auto_uses_streams_only_where_the_policy_and_the_role_pay() -> None:
     }
     assert [r.layer for r in ROLES if not picked[r.layer]] == [2, 4]  # the tiny config's reuse
     assert any(picked.values()) and not all(picked.values())
-    assert _multi(auto.choose(8192, graphs=False)) == picked  # eager from 8192 local rows
+    eager = _multi(auto.choose(8192, graphs=False))  # eager from 8192 local rows
+    assert eager == {**picked, 0: False}  # the SWA layer only up to SWA_MAX_TOKENS rows
     assert not any(_multi(auto.choose(8193, graphs=True)).values())  # above the graph bound
 
 

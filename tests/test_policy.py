@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.policy import MultistreamPolicy
+from dsv4cp.policy import SWA_MAX_TOKENS, MultistreamPolicy
 
 
 def test_auto_follows_the_measured_thresholds() -> None:
@@ -26,12 +26,13 @@ def test_forced_modes_and_bad_mode() -> None:
         MultistreamPolicy(mode="sometimes")
 
 
-def test_reuse_layers_stay_serial_in_auto_mode() -> None:
+def test_reuse_layers_stay_serial_and_swa_layers_fork_only_up_to_their_bound() -> None:
     cfg = DeepseekV41Config.tiny()  # swa, r2 source, r2 reuse, r1 source, r1 reuse, consumer
     auto, on = MultistreamPolicy(), MultistreamPolicy(mode="on")
-    pays = [auto.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers)]
-    assert pays == [True, True, False, True, False, True]
-    assert all(on.layer_pays(cfg.layer_role(i)) for i in range(cfg.num_hidden_layers))
+    roles = [cfg.layer_role(i) for i in range(cfg.num_hidden_layers)]
+    assert [auto.layer_pays(r, SWA_MAX_TOKENS) for r in roles] == [1, 1, 0, 1, 0, 1]
+    assert [auto.layer_pays(r, SWA_MAX_TOKENS + 1) for r in roles] == [0, 1, 0, 1, 0, 1]
+    assert all(on.layer_pays(r, 10**6) for r in roles)
 
 
 def test_env_overrides_auto_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,9 +167,11 @@ class LayerExecutors:
     serial: SerialExecutor = SERIAL
     multistream: MultistreamExecutor | None = None
     policy: MultistreamPolicy | None = None
+    local_rows: int = 0  # this forward's rows on this rank
 
     def for_role(self, role: LayerRole) -> Executor:
-        if self.multistream is not None and (self.policy is None or self.policy.layer_pays(role)):
+        pays = self.policy is None or self.policy.layer_pays(role, self.local_rows)
+        if self.multistream is not None and pays:
             return self.multistream
         return self.serial
 
@@ -226,4 +228,4 @@ class ExecutorFactory:
             multi = MultistreamExecutor(
                 self.streams, lane_hook=self.lane_hook, overlap_gathers=overlap_gathers
             )
-        return LayerExecutors(serial, multi, self.policy)
+        return LayerExecutors(serial, multi, self.policy, local_rows)

@@ -4,11 +4,12 @@ Eager multistream costs host time per stream switch and event: on the H200 it lo
 local tokens and won (2–7%) at 8192, where the GPU work hides the launches. Inside a CUDA graph
 the forks and joins are free graph edges and the overlap paid at every size measured (512–8192)
 for layers with a compressor or an indexer, and for the SWA layers at a CP 4 and CP 8 rank's
-rows; the layers that reuse a top-k measured from 1.9 % slower to 1.1 % faster with streams
-and stay serial. The defaults come from `benchmarks/prepare_overlap.py` and
-`benchmarks/layer_peer.py`'s CP rows (docs/performance.md §3, §21). With mode "auto",
-`DSV4CP_MULTISTREAM=on|off|auto` overrides the mode and `DSV4CP_MULTISTREAM_MAX_TOKENS=N` the
-graph threshold (`max_tokens_graph`); the eager threshold has no variable.
+rows (up to 4096, the most measured); the layers that reuse a top-k measured from 1.9 % slower
+to 1.1 % faster with streams and stay serial. The defaults come from
+`benchmarks/prepare_overlap.py` and `benchmarks/layer_peer.py`'s CP rows (docs/performance.md
+§3, §21). With mode "auto", `DSV4CP_MULTISTREAM=on|off|auto` overrides the mode and
+`DSV4CP_MULTISTREAM_MAX_TOKENS=N` the graph threshold (`max_tokens_graph`); the eager threshold
+has no variable.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ log = logging.getLogger("dsv4cp.policy")
 DEFAULT_MAX_TOKENS_GRAPH = 8192
 # Smallest local token count at which eager multistream beat eager serial on the H200.
 DEFAULT_MIN_TOKENS_EAGER = 8192
+# Largest local token count at which the SWA layers measured faster with streams (in graphs, a
+# CP 4 rank of a 16K chunk); above it they were not measured faster (CP 1's 16K rows: serial).
+SWA_MAX_TOKENS = 4096
 
 
 MODES = ("auto", "on", "off")
@@ -63,15 +67,18 @@ class MultistreamPolicy:
             max_tokens_graph=DEFAULT_MAX_TOKENS_GRAPH if max_tokens is None else max_tokens,
         )
 
-    def layer_pays(self, role: LayerRole) -> bool:
-        """Layers with a compressor or an indexer, and the SWA layers, fork in auto mode. The SWA
-        layers' whole-layer graph time at a CP rank's 2K / 4K rows was 0.8–5.3 % lower with
-        streams (12 samples each, docs/performance.md §21); the top-k reuse layers, whose
+    def layer_pays(self, role: LayerRole, local_tokens: int) -> bool:
+        """Layers with a compressor or an indexer fork in auto mode, and the SWA layers up to
+        SWA_MAX_TOKENS local tokens: their whole-layer graph time at a CP rank's 2K / 4K rows
+        was 0.8–5.3 % lower with streams (12 samples each, docs/performance.md §21), and at
+        CP 1's 16K rows the serial executor was the faster. The top-k reuse layers, whose
         prepare is the same, measured from 1.9 % slower to 1.1 % faster and stay serial.
         Forced modes apply to every layer."""
         if self.mode != "auto":
             return True
-        return role.owns_compressor or role.index_source or not role.compressed
+        if role.owns_compressor or role.index_source:
+            return True
+        return not role.compressed and local_tokens <= SWA_MAX_TOKENS
 
     def decide(self, local_tokens: int, *, graphs: bool, cuda: bool) -> bool:
         if self.mode == "off":
