@@ -19,10 +19,12 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -232,10 +234,9 @@ def spawn_ranks(
                 daemon=True,
             )
             try:
-                _start_without_sigint(proc)
+                _start_without_sigint(proc, started)
             finally:
                 writer.close()  # the child holds its own end: EOF here means it is gone
-            started.append(proc)
         reports = _collect(started, readers, failure_grace_s, deadline_s)
         finished = True
     finally:
@@ -246,20 +247,49 @@ def spawn_ranks(
     return _finish(reports, backend, cp_size, timeout_s)
 
 
-def _start_without_sigint(proc: Any) -> None:
+def _start_without_sigint(proc: Any, started: list[Any]) -> None:
     """Start a rank with SIGINT blocked: the spawned interpreter inherits the signal mask, so a
     Ctrl-C (sent to the whole foreground process group) reaches only this process, whose
     KeyboardInterrupt stops the ranks (`_stop`). Unblocked, every rank still importing torch
-    printed its own KeyboardInterrupt traceback. A SIGINT that arrives while the mask is held is
-    delivered here when it is restored."""
+    printed its own KeyboardInterrupt traceback.
+
+    Two things undo a plain mask, both seen as a rank's traceback after a Ctrl-C: the first
+    spawn starts multiprocessing's resource tracker, which *unblocks* SIGINT in this thread
+    after starting it (so rank 0 started with SIGINT open), hence the tracker is started first;
+    and a SIGINT taken by another thread of this process (the store's) raises KeyboardInterrupt
+    in this one whatever its mask, which inside `start` left the rank without its launch data,
+    hence the interrupt is held (`_held_sigint`) until the rank is in `started` (for `_stop`),
+    then raised."""
+    resource_tracker.ensure_running()
     if not hasattr(signal, "pthread_sigmask"):
         proc.start()
+        started.append(proc)
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    with _held_sigint():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        started.append(proc)
+
+
+@contextlib.contextmanager
+def _held_sigint() -> Iterator[None]:
+    """SIGINTs that arrive inside the block are recorded, not acted on; on leaving it the
+    previous handler is back and one held SIGINT is raised again (a KeyboardInterrupt under
+    Python's default handler). Off the main thread, where handlers cannot be set: a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        proc.start()
+        yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _stop(procs: list[Any], grace_s: float = 2.0) -> None:
