@@ -69,11 +69,14 @@ def test_a_sigint_during_start_is_raised_once_the_rank_is_recorded() -> None:
             events.append("started")
 
     rank, started = Rank(), []
+    # Python's own handler, whatever this process inherited (a background job ignores SIGINT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             launch._start_without_sigint(rank, started)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
+        signal.signal(signal.SIGINT, inherited)
         stop.set()
         other.join()
     assert events == ["started"] and started == [rank]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
