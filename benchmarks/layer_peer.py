@@ -81,7 +81,13 @@ from dsv4cp.cache import KVCache
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import AttentionMemo, ForwardContext
 from dsv4cp.cp.group import SingleCPGroup
-from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
+from dsv4cp.executors import (
+    SERIAL,
+    Executor,
+    ExecutorFactory,
+    MultistreamExecutor,
+    StreamPool,
+)
 from dsv4cp.layers import attention as layer_module
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.layers.linear import keep_dequantized_weights
@@ -390,11 +396,12 @@ class Run:
             self.kept_bytes = sum(keep_dequantized_weights(a) for a in self.layers.values())
             print(f"kept bf16 copies of the layers' fp8 weights: {self.kept_bytes / 2**20:.1f} MiB")
         self.executors: dict[str, Executor] = {"serial": SERIAL}
+        self.streams: StreamPool | None = None
         if self.device == "cuda":
-            pool = StreamPool(
+            self.streams = StreamPool(
                 lanes_of([a.schedule() for a in self.layers.values()]), torch.device("cuda")
             )
-            self.executors["multistream"] = MultistreamExecutor(pool)
+            self.executors["multistream"] = MultistreamExecutor(self.streams)
         self.flashmla = _has_flashmla()
         self.peer = args.peer and (self.flashmla or self.smoke)
         if args.peer and not self.peer:
@@ -690,7 +697,7 @@ class Run:
             row["cp1_samples_ms"], row["rank_samples_ms"] = cp1_all, ranks
             row["rank_executor"] = min(last, key=lambda k: last[k])
             row["rank_ms_by_executor"] = [s[3] for s in got]
-            auto = auto_executor(layer.role, ctx.local_rows, cuda=self.device == "cuda")
+            auto = auto_executor(layer.role, ctx.local_rows, self.streams)
             if auto in last:
                 row["auto_executor"] = auto
                 row["auto_rank_ms"] = statistics.median(s[3][auto] for s in got)
@@ -777,12 +784,13 @@ def _brief(row: dict[str, Any]) -> str:
     return f"layer {row['layer']} {row['role']}: {vals}"
 
 
-def auto_executor(role: LayerRole, local_rows: int, *, cuda: bool) -> str:
+def auto_executor(role: LayerRole, local_rows: int, streams: StreamPool | None) -> str:
     """The executor ("serial" / "multistream") the `auto` policy (with $DSV4CP_MULTISTREAM*)
-    runs for `role` at `local_rows` rows inside CUDA graphs, as `ExecutorFactory.choose` picks."""
-    policy = MultistreamPolicy.from_env("auto")
-    use = policy.decide(local_rows, graphs=True, cuda=cuda)
-    return "multistream" if use and policy.layer_pays(role, local_rows) else "serial"
+    runs for `role` at `local_rows` rows inside CUDA graphs: `ExecutorFactory.choose`'s pick
+    (no streams, as on the CPU: serial)."""
+    factory = ExecutorFactory(MultistreamPolicy.from_env("auto"), streams)
+    chosen = factory.choose(local_rows, graphs=True).for_role(role)
+    return "multistream" if isinstance(chosen, MultistreamExecutor) else "serial"
 
 
 # ------------------------------------------------------------------------------ targets

@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from benchmarks import layer_peer
+
+from dsv4cp.executors import StreamPool
 
 
 def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
@@ -58,12 +61,13 @@ def test_auto_executor_is_the_policy_pick_inside_graphs(monkeypatch: pytest.Monk
     monkeypatch.delenv("DSV4CP_MULTISTREAM", raising=False)
     monkeypatch.delenv("DSV4CP_MULTISTREAM_MAX_TOKENS", raising=False)
     roles = DeepseekV41Config.tiny().layer_roles()  # swa, r2 source, r2 reuse, ...
-    picks = [layer_peer.auto_executor(r, 2048, cuda=True) for r in roles]
+    streams = StreamPool([], torch.device("cpu"))  # no lanes: stands in for CUDA streams
+    picks = [layer_peer.auto_executor(r, 2048, streams) for r in roles]
     assert picks == ["multistream", "multistream", "serial", "multistream", "serial", "multistream"]
-    assert layer_peer.auto_executor(roles[1], 16384, cuda=True) == "serial"  # above 8192
-    assert layer_peer.auto_executor(roles[1], 2048, cuda=False) == "serial"
+    assert layer_peer.auto_executor(roles[1], 16384, streams) == "serial"  # above 8192
+    assert layer_peer.auto_executor(roles[1], 2048, None) == "serial"
     monkeypatch.setenv("DSV4CP_MULTISTREAM", "off")
-    assert layer_peer.auto_executor(roles[1], 2048, cuda=True) == "serial"
+    assert layer_peer.auto_executor(roles[1], 2048, streams) == "serial"
 
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:
