@@ -45,7 +45,8 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   each repeat's ratio is kept with their min and max. `auto_*`: the same for the executor that
   the `auto` multistream policy runs for the role at the rank's rows inside graphs (what
   SGLang's default and `PrefillRunner(multistream="auto")` run); the CP targets are judged on
-  it.
+  it. `forward_mix`: the CP rows summed over the config's whole layer mix, each layer as its
+  role's measured layer (`benchmarks/forward_mix.py`): a forward's attention per rank.
 - `--keep-bf16-weights`: the layers hold bf16 copies of their fp8 projections
   (`Linear.keep_dequantized`, what $DSV4CP_KEEP_BF16_WEIGHTS asks of the loader), so the GEMMs
   skip the per-call weight dequantization; the peer shares the layer's projections, so both.
@@ -72,7 +73,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks import sglang_peer
+from benchmarks import forward_mix, sglang_peer
 from benchmarks.benchutil import Table, device_info, time_cuda, time_graph, write_json
 from benchmarks.prefill import SoloCPGroup
 from dsv4cp import ops, routing
@@ -943,6 +944,9 @@ def report(
         for r in cp_rows:
             cp_table.add(r)
         cp_table.print()
+    mix = [] if run is None or not cp_rows else forward_mix.forward_mix(run.cfg, cp_rows)
+    if mix:
+        forward_mix.table(mix, "tiny config" if args.smoke else "V4.1-Flash").print()
     goals = targets(rows, cp_rows)
     if goals:
         t = Table(["target", "case", "role", "value", "goal", "met", "missed_by"], title="targets")
@@ -962,6 +966,7 @@ def report(
         "kept_bf16_weight_bytes": None if run is None else run.kept_bytes,
         "rows": rows,
         "cp_rows": cp_rows,
+        "forward_mix": mix,
         "targets": goals,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

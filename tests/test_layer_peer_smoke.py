@@ -33,6 +33,11 @@ def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
         assert r["rank_over_ideal_min"] == r["rank_over_ideal_max"] == r["rank_over_ideal"]
     assert doc["targets"] and doc["config"] == "tiny" and doc["quant"] == "qat"
     assert all(r["attn_layer_ms"] > 0 for r in rows)
+    (mix,) = doc["forward_mix"]  # the tiny config's six layers are its six measured roles
+    assert mix["cp"] == 2 and mix["counts"] == {str(i): 1 for i in layer_peer.SMOKE_LAYERS}
+    rank = sum(r.get("auto_rank_ms", r["rank_ms"]) for r in doc["cp_rows"])
+    assert mix["rank_ms"] == pytest.approx(rank)
+    assert mix["ideal_ms"] == pytest.approx(sum(r["ideal_ms"] for r in doc["cp_rows"]))
 
 
 def test_cp_repeats_give_the_median_and_the_spread(tmp_path: Path) -> None:
