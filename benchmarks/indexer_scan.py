@@ -19,7 +19,8 @@ cached positions (one CP rank's rows of a chunk, e.g. `--tokens 2048 --prefix 12
 `--pieces 4,16` also times those width splits against the planned one: the ratio-2 index
 source (plain top-k over T/2 entries), the ratio-1 candidate source (top-k and the 2048
 published blocks of 8 over T entries), the ratio-1 candidate consumer (top-k among the source's
-published blocks).
+published blocks; shipped: the mode `consumer="auto"` picks by width, and `consumer=map` /
+`consumer=gather` time each: score every visible key, or gather the published blocks' keys).
 
     PYTHONPATH=python python -m benchmarks.indexer_scan --out out/indexer_scan.json
 """
@@ -61,12 +62,13 @@ def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant],
     def run(keys: torch.Tensor, nv: torch.Tensor, v: Variant, **kw: Any) -> Any:
         return kernel.launch_mqa_topk(q, w, keys, nv, TOP_K, quant=quant, **v[1], **kw)
 
+    def consume(v: Variant) -> Any:
+        return run(k, nv1, v, block_ids=blocks, block_size=BLOCK_SIZE)[0]
+
     return {
         "r2 index source": lambda v: run(k2, nv2, v)[0],
         "r1 candidate source": lambda v: run(k, nv1, v, block_size=BLOCK_SIZE, max_blocks=BLOCKS),
-        "r1 candidate consumer": lambda v: run(
-            k, nv1, v, block_ids=blocks, block_size=BLOCK_SIZE, consumer="map"
-        )[0],
+        "r1 candidate consumer": lambda v: consume(v),
     }
 
 
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"pieces={p}", {"pieces": int(p), "route": "scan"}) for p in args.pieces.split(",") if p
     ]
     variants += [("route=scan", {"route": "scan"}), ("route=logits", {"route": "logits"})]
+    variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # the logits route takes the plain top-k only
                     if variant[0].startswith("seed_stride") and "consumer" in role:
                         continue  # a consumer's selection takes no seed
+                    if variant[0].startswith("consumer=") and "consumer" not in role:
+                        continue  # the consumer's two modes
                     out = run(variant)
                     ms = time_cuda(lambda v=variant, f=run: f(v), warmup=2, iters=args.iters)
                     if base_out is None:
