@@ -62,8 +62,10 @@ def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant],
     def run(keys: torch.Tensor, nv: torch.Tensor, v: Variant, **kw: Any) -> Any:
         return kernel.launch_mqa_topk(q, w, keys, nv, TOP_K, quant=quant, **v[1], **kw)
 
+    mean_visible = float(nv1.double().mean())  # as the layer passes it (batch metadata)
+
     def consume(v: Variant) -> Any:
-        return run(k, nv1, v, block_ids=blocks, block_size=BLOCK_SIZE)[0]
+        return run(k, nv1, v, block_ids=blocks, block_size=BLOCK_SIZE, mean_visible=mean_visible)[0]
 
     return {
         "r2 index source": lambda v: run(k2, nv2, v)[0],

@@ -147,6 +147,8 @@ class CompressedWorkspace:
     slots: Tensor  # int64 [N] slot of each entry
     request_offset: Tensor  # int64 [R] first workspace row of each request
     max_entries: int  # largest ⌊S/r⌋ in the batch (the logits width)
+    # the new tokens' mean visible entries ⌊(p+1)/r⌋ (host; None: a graph bucket's static one)
+    mean_visible: float | None = None
 
 
 @dataclass
@@ -204,9 +206,20 @@ def _workspace(batch: PrefillBatch, req_to_token: Tensor, ratio: int) -> Compres
     last_pos = torch.cat([(torch.arange(c) + 1) * ratio - 1 for c in counts])
     device = req_to_token.device
     slots = req_to_token[rows.to(device), last_pos.to(device)]
+    seen = sum(
+        visible_entries(r.end, ratio) - visible_entries(r.start, ratio) for r in batch.requests
+    )
     return CompressedWorkspace(
         ratio=ratio,
         slots=slots,
         request_offset=torch.tensor(offsets, dtype=torch.long, device=device),
         max_entries=max(counts),
+        mean_visible=seen / max(batch.num_tokens, 1),
     )
+
+
+def visible_entries(n: int, ratio: int) -> int:
+    """Σ over positions p < n of ⌊(p+1)/ratio⌋, the entries each sees (closed form: m = ⌊n/r⌋
+    full groups of r positions seeing 0…m−1, then n − m·r + 1 positions seeing m)."""
+    m = n // ratio
+    return ratio * m * (m - 1) // 2 + m * (n - m * ratio + 1)

@@ -41,7 +41,7 @@ from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
-from dsv4cp.kernels.indexer_topk_plan import plan_pieces, plan_seed
+from dsv4cp.kernels.indexer_topk_plan import plan_gather, plan_pieces, plan_seed
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
 from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
@@ -53,7 +53,6 @@ MAX_K = 2048
 MAX_MERGE = 16384  # keys merged in registers per row: pieces · K, or pieces · CAP unreduced
 MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
-GATHER_WIDTH_RATIO = 4  # a consumer gathers its blocks when the width is ≥ 4x their positions
 LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
 TOPK_ROUTES = ("auto", "scan", "logits")
 SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
@@ -111,14 +110,16 @@ def launch_mqa_topk(
     route: str = "scan",
     seed_stride: int | None = None,
     seed_rank: int | None = None,
+    mean_visible: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The three ops in one launcher: full top-k; with `max_blocks` > 0 also the candidate
     source's blocks; with `block_ids` the consumer's top-k among them. Knobs for benchmarks and
     tests: `config` (BLOCK_T, BLOCK_N, num_warps, num_stages), `pieces` (width splits), `cap`
     (row-buffer entries, a power of two ≥ k_top + BLOCK_N), `row_group` (rows cut at once),
     `consumer`: "map" scores every visible key and selects in the published blocks, "gather"
-    scores only the published blocks' keys, "auto" gathers when the width is at least
-    GATHER_WIDTH_RATIO times the published positions. `quant="qat"`: the reference's bf16 index
+    scores only the published blocks' keys, "auto" picks by `plan_gather(width, published
+    positions, mean_visible)` (`mean_visible`: the batch's mean visible keys per row, host-known;
+    None: the width decides). `quant="qat"`: the reference's bf16 index
     scores (each head's term rounded as `index_scores_qat`, the head sum rounded once).
     `key_bits`: the high key bits every search walks — the running top-k's cuts
     (`running_topk`), the pieces' merge, the candidate blocks' and the logits route's selection
@@ -188,7 +189,7 @@ def launch_mqa_topk(
     if block_ids is not None:
         if consumer not in ("auto", "map", "gather"):
             raise ValueError(f"mqa_topk kernel: consumer must be auto/map/gather, got {consumer!r}")
-        wide = width >= GATHER_WIDTH_RATIO * block_ids.shape[1] * block_size
+        wide = plan_gather(width, block_ids.shape[1] * block_size, mean_visible)
         if consumer == "gather" or (consumer == "auto" and wide):
             launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
                            block_n, cap, nb, qat, key_bits, packed)  # fmt: skip
@@ -399,6 +400,7 @@ def mqa_topk_cached(
     block_size: int = 1,
     max_blocks: int = 0,
     block_ids: Tensor | None = None,
+    mean_visible: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Triton twin of ops.indexer_topk.mqa_topk_cached: the workspace entries' index keys decoded
     once into a dense workspace [N, D_I] in q.dtype (`kv_decode.decode_gather`: exact, 256 B per
@@ -411,7 +413,7 @@ def mqa_topk_cached(
     return launch_mqa_topk(
         q, weights, keys, n_visible, k_top,
         k_start=k_start, width=width, block_ids=block_ids, block_size=block_size,
-        max_blocks=max_blocks, quant=quant, route="auto",
+        max_blocks=max_blocks, quant=quant, route="auto", mean_visible=mean_visible,
     )  # fmt: skip
 
 

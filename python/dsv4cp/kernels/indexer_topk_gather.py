@@ -1,7 +1,7 @@
 """A candidate consumer at long context: score only the keys of each row's published blocks.
 
-`gather_kernel` (used when the width is ≥ GATHER_WIDTH_RATIO times the published positions, see
-`indexer_topk.launch_mqa_topk`): per row, only the keys of its published blocks are loaded and
+`gather_kernel` (used when the rows see several times more keys than their published positions,
+`indexer_topk_plan.plan_gather`): per row, only the keys of its published blocks are loaded and
 scored, all heads of the row in one tensor-core product per tile of blocks (`index_score`), with
 the same running buffer, cut by `running_topk.cut_rows`. `launch_gather` sorts and deduplicates
 the block ids first so that columns arrive in ascending order, which the tie rule needs.

@@ -1,6 +1,6 @@
 """The host-side plans of the fused indexer scan (`indexer_topk.launch_mqa_topk`), pure
-functions of the shapes: how many width pieces fill the GPU (`plan_pieces`), and the seed's
-sample stride and rank (`plan_seed`)."""
+functions of the shapes: how many width pieces fill the GPU (`plan_pieces`), the seed's sample
+stride and rank (`plan_seed`), and a candidate consumer's mode (`plan_gather`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import triton
 
 SEED_SAMPLE = 512  # sampled columns per row for the seed: every (width // SEED_SAMPLE)-th
 SEED_MIN_STRIDE = 8  # no seed below a stride of 8 (widths < 4K: few cuts to save)
+GATHER_WIDTH_RATIO = 4  # without a mean: gather when the width is ≥ 4x the published positions
+GATHER_VISIBLE_RATIO = 3  # gather when the rows see ≥ 3x the published positions on average
 
 
 def plan_pieces(row_blocks: int, sms: int, per_sm: int, most: int) -> int:
@@ -49,3 +51,19 @@ def plan_seed(
     if stride <= 1:
         return 0, 0
     return stride, rank or 3 * triton.cdiv(k_top, stride) + 8
+
+
+def plan_gather(width: int, published: int, mean_visible: float | None) -> bool:
+    """Whether a candidate consumer gathers its published blocks' keys (`launch_gather`: cost per
+    row ∝ `published` positions, one row per product) rather than scanning every visible key
+    (the scan's map mode: cost ∝ the visible keys, with a key tile shared by a block of rows).
+    On the H100 (docs/performance.md §22) the gather ran ~110 ms per 10⁹ scored keys and the
+    map 28–46 ms per 10⁹ visible keys, so the gather pays from about 2.4–4x as many visible keys
+    per row as published positions: measured, 2x (a cold 64K prefill) favours the map by 12 %,
+    7.7x (a 16K chunk after 112K) the gather by 2x. `mean_visible` — the batch's mean visible
+    keys per new token, host-known (`batch.CompressedWorkspace.mean_visible`) and the same on
+    every CP rank — decides at GATHER_VISIBLE_RATIO; without it (a CUDA graph's static bucket)
+    the width, an upper bound of the mean, decides at GATHER_WIDTH_RATIO as before."""
+    if mean_visible is None:
+        return width >= GATHER_WIDTH_RATIO * published
+    return mean_visible >= GATHER_VISIBLE_RATIO * published

@@ -337,6 +337,7 @@ class DeepseekV41Attention(nn.Module):
             block_size=cfg.candidate_block_size,
             max_blocks=cfg.candidate_topk_blocks if self.role.candidate_source else 0,
             block_ids=ctx.cross.candidates[r] if self.role.candidate_consumer else None,
+            mean_visible=ws.mean_visible,
         )
         ctx.cross.topk[r] = topk
         if blocks is not None:

@@ -148,9 +148,11 @@ def mqa_topk_cached(
     block_size: int = 1,
     max_blocks: int = 0,
     block_ids: Tensor | None = None,
+    mean_visible: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """An index layer's selection from the index-key cache: (top-k int32 [T, k_top], candidate
-    blocks int32 [T, max_blocks] or None).
+    blocks int32 [T, max_blocks] or None). `mean_visible` picks the kernel's consumer mode
+    (`kernels.indexer_topk_plan.plan_gather`); the twin has one mode and ignores it.
 
     The keys are k_cache[k_rows] decoded from `k_format` (k_rows int [N]: the cache row of each
     workspace entry, −1 read as row 0 and never visible by contract), scored as `mqa_logits`
