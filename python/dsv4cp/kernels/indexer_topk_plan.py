@@ -58,9 +58,9 @@ def plan_gather(width: int, published: int, mean_visible: float | None) -> bool:
     row ∝ `published` positions, one row per product) rather than scanning every visible key
     (the scan's map mode: cost ∝ the visible keys, with a key tile shared by a block of rows).
     On the H100 (docs/performance.md §22) the gather ran ~110 ms per 10⁹ scored keys and the
-    map 28–46 ms per 10⁹ visible keys, so the gather pays from about 2.4–4x as many visible keys
-    per row as published positions: measured, 2x (a cold 64K prefill) favours the map by 12 %,
-    7.7x (a 16K chunk after 112K) the gather by 2x. `mean_visible` — the batch's mean visible
+    map 28–46 ms per 10⁹ visible keys, so the gather pays from about 2.4–3.9x as many visible
+    keys per row as published positions: measured, 2x (a cold 64K prefill) favours the map by
+    12 %, 3x (cold 96K) the gather by 22 %, 7.5x (a 16K chunk after 112K) the gather by 2x. `mean_visible` — the batch's mean visible
     keys per new token, host-known (`batch.CompressedWorkspace.mean_visible`) and the same on
     every CP rank — decides at GATHER_VISIBLE_RATIO; without it (a CUDA graph's static bucket)
     the width, an upper bound of the mean, decides at GATHER_WIDTH_RATIO as before."""
