@@ -52,7 +52,9 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   skip the per-call weight dequantization; the peer shares the layer's projections, so both.
 
 Every case and layer is guarded: a failure is printed and recorded, the run goes on, and the
-JSON is written at the end (also when `--budget-s` runs out: the rest is marked skipped).
+JSON is written at the end (also when `--budget-s` runs out: the rest is marked skipped). A
+`--layers` list that cannot run (not in model order, or without the layer whose top-k or
+candidates one of them reads) is refused before any work.
 """
 
 from __future__ import annotations
@@ -794,6 +796,30 @@ def auto_executor(role: LayerRole, local_rows: int, streams: StreamPool | None) 
     return "multistream" if isinstance(chosen, MultistreamExecutor) else "serial"
 
 
+def layer_list_problem(cfg: DeepseekV41Config, layers: str) -> str | None:
+    """Why a `--layers` list cannot run, or None: ids of the config, each once, in model order,
+    and every layer whose top-k or candidates another layer publishes listed after that layer
+    (the run passes them on through the context, as the model's forward does)."""
+    try:
+        ids = [int(v) for v in layers.split(",")]
+    except ValueError:
+        return "a comma list of layer ids"
+    bad = [i for i in ids if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        return f"{bad} are not layers of the config (0..{cfg.num_hidden_layers - 1})"
+    if ids != sorted(set(ids)):
+        return "list each layer once, in model order"
+    for i in ids:
+        role = cfg.layer_role(i)
+        needs = {role.topk_from} if role.topk_from not in (None, i) else set()
+        if role.candidate_consumer:
+            needs.add(cfg.candidate_source_layer_id)
+        missing = sorted(n for n in needs if n not in ids)  # type: ignore[type-var]
+        if missing:
+            return f"layer {i} reads what layer(s) {missing} publish; list them too"
+    return None
+
+
 # ------------------------------------------------------------------------------ targets
 
 
@@ -871,6 +897,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.smoke and not torch.cuda.is_available():
         print("layer_peer: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    cfg = DeepseekV41Config.tiny() if args.smoke else DeepseekV41Config.flash()
+    problem = layer_list_problem(cfg, args.layers) if args.layers else None
+    if problem:
+        print(f"layer_peer: --layers {args.layers}: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # backend choices
     torch.manual_seed(0)

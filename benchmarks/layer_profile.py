@@ -21,7 +21,7 @@ import sys
 import torch
 
 from benchmarks.benchutil import finish
-from benchmarks.layer_peer import build_layers, make_context
+from benchmarks.layer_peer import build_layers, layer_list_problem, make_context
 from benchmarks.prefill import SoloCPGroup
 from benchmarks.profile_stages import by_stage
 from dsv4cp.config import DeepseekV41Config
@@ -66,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-rows", type=int, default=6, help="kernels listed per stage")
     ap.add_argument("--out", default="out/layer_profile.json")
     args = ap.parse_args(argv)
+    cfg = DeepseekV41Config.flash()
+    problem = layer_list_problem(cfg, args.layers)
+    if problem:
+        print(f"layer_profile: --layers {args.layers}: {problem}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("layer_profile: needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfg = DeepseekV41Config.flash()
     ids = tuple(int(v) for v in args.layers.split(","))
     cps = tuple(int(v) for v in args.cp.split(","))
     if cps[0] != 1 and len(cps) > 1:

@@ -15,3 +15,9 @@ def test_refuses_without_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> 
     bench = importlib.import_module(f"benchmarks.{name}")
     assert bench.main(["--out", "/nonexistent/never-written.json"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_layer_profile_refuses_a_layer_list_first(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = importlib.import_module("benchmarks.layer_profile")
+    assert bench.main(["--layers", "24", "--out", "/nonexistent/never-written.json"]) == 2
+    assert "layer 24 reads what layer(s) [20] publish" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import pytest
 import torch
 from benchmarks import layer_peer
 
+from dsv4cp.config import DeepseekV41Config
 from dsv4cp.executors import StreamPool
 
 
@@ -77,3 +78,30 @@ def test_auto_executor_is_the_policy_pick_inside_graphs(monkeypatch: pytest.Monk
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:
     assert layer_peer.main(["--smoke", "--cases", "nope", "--out", str(tmp_path / "x.json")]) == 2
+
+
+@pytest.mark.parametrize(
+    ("layers", "says"),
+    [
+        ("4,5", "layer 4 reads what layer(s) [3] publish"),
+        ("3,5,4", "in model order"),
+        ("3,3", "in model order"),
+        ("0,9", "[9] are not layers of the config (0..5)"),
+        ("zero", "a comma list of layer ids"),
+    ],
+)
+def test_a_layer_list_that_cannot_run_is_refused_before_any_work(
+    layers: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "peer.json"
+    assert layer_peer.main(["--smoke", "--layers", layers, "--out", str(out)]) == 2
+    assert says in capsys.readouterr().err and not out.exists()
+
+
+def test_the_flash_lists_name_what_each_layer_reads() -> None:
+    flash = DeepseekV41Config.flash()
+    assert layer_peer.layer_list_problem(flash, "0,1,2,3,20,21,24") is None
+    assert "layer 24 reads what layer(s) [20]" in str(layer_peer.layer_list_problem(flash, "24"))
+    assert "layer 21 reads what layer(s) [20]" in str(layer_peer.layer_list_problem(flash, "21,24"))
+    assert layer_peer.layer_list_problem(flash, "20,21,24") is None
+    assert "layer 9 reads what layer(s) [8]" in str(layer_peer.layer_list_problem(flash, "2,9"))
