@@ -60,10 +60,11 @@ def plan_gather(width: int, published: int, mean_visible: float | None) -> bool:
     On the H100 (docs/performance.md §22) the gather ran ~110 ms per 10⁹ scored keys and the
     map 28–46 ms per 10⁹ visible keys, so the gather pays from about 2.4–3.9x as many visible
     keys per row as published positions: measured, 2x (a cold 64K prefill) favours the map by
-    12 %, 3x (cold 96K) the gather by 22 %, 7.5x (a 16K chunk after 112K) the gather by 2x. `mean_visible` — the batch's mean visible
-    keys per new token, host-known (`batch.CompressedWorkspace.mean_visible`) and the same on
-    every CP rank — decides at GATHER_VISIBLE_RATIO; without it (a CUDA graph's static bucket)
-    the width, an upper bound of the mean, decides at GATHER_WIDTH_RATIO as before."""
+    12 %, 3x (cold 96K) the gather by 22 %, 7.5x (a 16K chunk after 112K) the gather by 2x.
+    `mean_visible` — the batch's mean visible keys per new token, host-known
+    (`batch.CompressedWorkspace.mean_visible`) and the same on every CP rank — decides at
+    GATHER_VISIBLE_RATIO; without it (a CUDA graph's static bucket) the width, an upper bound of
+    the mean, decides at GATHER_WIDTH_RATIO as before."""
     if mean_visible is None:
         return width >= GATHER_WIDTH_RATIO * published
     return mean_visible >= GATHER_VISIBLE_RATIO * published
