@@ -19,8 +19,9 @@ cached positions (one CP rank's rows of a chunk, e.g. `--tokens 2048 --prefix 12
 `--pieces 4,16` also times those width splits against the planned one: the ratio-2 index
 source (plain top-k over T/2 entries), the ratio-1 candidate source (top-k and the 2048
 published blocks of 8 over T entries), the ratio-1 candidate consumer (top-k among the source's
-published blocks; shipped: the mode `consumer="auto"` picks by width, and `consumer=map` /
-`consumer=gather` time each: score every visible key, or gather the published blocks' keys).
+published blocks; shipped: `consumer="auto"` with the rows' mean visible keys, as the layer
+calls it (`plan_gather`), and `consumer=map` / `consumer=gather` time each mode: score every
+visible key, or gather the published blocks' keys).
 
     PYTHONPATH=python python -m benchmarks.indexer_scan --out out/indexer_scan.json
 """
@@ -70,7 +71,7 @@ def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant],
     return {
         "r2 index source": lambda v: run(k2, nv2, v)[0],
         "r1 candidate source": lambda v: run(k, nv1, v, block_size=BLOCK_SIZE, max_blocks=BLOCKS),
-        "r1 candidate consumer": lambda v: consume(v),
+        "r1 candidate consumer": consume,
     }
 
 
