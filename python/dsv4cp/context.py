@@ -40,6 +40,8 @@ class AttentionMemo:
     comp_key: tuple[int, int, int] | None = None  # (ratio, kv source, top-k layer) of `comp`
     comp: Tensor | None = None  # [L, K] int32 compressed cache rows, −1 none
     workspace: object | None = None  # the sparse-attention kernel's memo
+    # per ratio: int32 [N] compressed cache rows of the batch's entries (the workspace's list)
+    entry_rows: dict[int, Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -7,7 +7,8 @@
   for bit `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row
   slice, a column slice of the output, a bound below, at and above the count (`place_rows` also
   against its definition: the i-th marked row, then −1; and over several programs), and
-  `remap_rows` in `build_workspace`'s form (the inclusive count, base − 1, bound + 1);
+  `remap_rows` in `build_workspace`'s forms (the inclusive count, base − 1, bound + 1; a dense
+  row list's `invert_rows`, against its definition);
 - `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
   workspace, then the fused scan, or for a plain top-k this narrow the logits route: every plain
   case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and the three
@@ -140,6 +141,18 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             # build_workspace's form: the inclusive count, base − 1 and bound + 1
             kern_rows.remap_rows(idx, count, outs[2][:, 10:160], 63, bound + 1)
             equal(outs[2], outs[0], f"remap by count {dtype}")
+            # the dense form: a shuffled row list (some rows left out), inverted
+            listed = torch.randperm(n, generator=g)[: n - 7].int()
+            inv = ops_rows.invert_rows(listed, n)
+            dense = [torch.full((19, 170), 5, dtype=torch.int32) for _ in range(2)]
+            kern_rows.remap_rows(idx, inv, dense[0][:, 10:160], 64, n - 7)
+            ops_rows.remap_rows(idx, inv, dense[1][:, 10:160], 64, n - 7)
+            equal(dense[0], dense[1], f"remap dense {dtype}")
+            place = torch.full((n + 10,), -1, dtype=torch.int64)
+            place[listed.long()] = torch.arange(n - 7) + 64
+            v = (idx >= 0) & (idx < n)
+            want = torch.where(v, place[idx.long().clamp(0, n - 1)], -1).int()
+            equal(dense[0][:, 10:160], want, f"remap dense definition {dtype}")
         # several programs (n and bounds above PLACE_BLOCK): the total read by a program that
         # does not hold the last count, and the −1 fill in programs past n
         n = 5000

@@ -252,13 +252,8 @@ def test_layers_on_the_flashmla_path_equal_the_ops_path(
 # ------------------------------------------------------------------ the workspace, layer to layer
 
 
-def test_the_next_layer_reuses_the_numbering_and_decodes_only_its_own_cache(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A memo hit (the same index tensors): the same workspace tensors come back, the SWA rows
-    decoded from the new layer's cache (equal to a fresh build over it), the compressed rows
-    not decoded again; other index tensors (equal values), another bound or row span: a new
-    build."""
+def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each cache `flashmla._decode` reads from, one entry per call, from now on."""
     decoded: list[int] = []
     decode = flashmla._decode
 
@@ -267,6 +262,17 @@ def test_the_next_layer_reuses_the_numbering_and_decodes_only_its_own_cache(
         decode(cache, src, fmt, d, out)
 
     monkeypatch.setattr(flashmla, "_decode", counted)
+    return decoded
+
+
+def test_the_next_layer_reuses_the_numbering_and_decodes_only_its_own_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A memo hit (the same index tensors): the same workspace tensors come back, the SWA rows
+    decoded from the new layer's cache (equal to a fresh build over it), the compressed rows
+    not decoded again; other index tensors (equal values), another bound or row span: a new
+    build."""
+    decoded = count_decodes(monkeypatch)
     q, swa, win, comp, top, sink = _caches(seed=3)
     swa2 = encode_rows(torch.randn(90, 512), FP8, dense_dtype=torch.bfloat16)
     memo = WorkspaceMemo()
@@ -307,7 +313,8 @@ def test_layers_share_the_workspace_and_equal_the_ops_path(monkeypatch: pytest.M
     """The tiny config's six roles in order, one context, FlashMLA's head shape: each layer's
     output equals the ops path; the reuse layers take the window and the compressed rows the
     earlier layers made (the same tensors) and number no rows (no `mark_rows` call), the layers
-    that publish a top-k (and the first layer) number theirs."""
+    that write a compressed cache (and the first layer) number theirs; the consumer, which
+    publishes a top-k over the candidate source's cache, reuses that numbering."""
     from benchmarks.layer_peer import build_layers
 
     import dsv4cp.layers.attention as layer_module
@@ -341,5 +348,7 @@ def test_layers_share_the_workspace_and_equal_the_ops_path(monkeypatch: pytest.M
         assert torch.allclose(got.float(), want[i].float(), atol=2e-2, rtol=2e-2), i
     assert all(w is windows[0] for w in windows)
     assert comps[2] is comps[1] and comps[4] is comps[3] and comps[5] is not comps[4]
-    # layer 0: one source; publishers 1, 3, 5: two; reuse layers 2 and 4: none
-    assert per_layer == [1, 2, 0, 2, 0, 2]
+    # layers 0, 1 and 3 mark the window's rows (the first layer, then the kv sources, which
+    # empty the memo); the compressed rows are numbered densely (the batch's entries: a chunk
+    # may name them all), so nothing marks them; the consumer (5) keeps layer 3's numbering
+    assert per_layer == [1, 1, 0, 1, 0, 0]

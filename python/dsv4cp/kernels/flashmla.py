@@ -159,7 +159,8 @@ def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
 WORKSPACE_BUDGET_BYTES = 1 << 30  # bf16 workspace rows per FlashMLA call (the chunk's bound)
 WORKSPACE_ENV = "DSV4CP_FLASHMLA_WORKSPACE_MIB"  # overrides the budget (MiB)
 MIN_CHUNK_ROWS = 64  # fewer query rows per call than this: the bound is not worth splitting
-_CachedSource = tuple[Tensor, Tensor, str, int]  # cache, indices [T, K], format, row bound
+# cache, indices [T, K], format, row bound, the rows a dense numbering lists (or None)
+_CachedSource = tuple[Tensor, Tensor, str, int, Tensor | None]
 
 
 def sparse_attention_cached_backend(q: Tensor) -> str:
@@ -186,13 +187,17 @@ def sparse_attention_cached(
     *,
     workspace_rows: tuple[int, int] | None = None,
     workspace_memo: WorkspaceMemo | None = None,
+    comp_rows: Tensor | None = None,
 ) -> Tensor:
     """Twin of ops.attention.sparse_attention_cached on CUDA: FlashMLA's sparse prefill over a
     chunk-bounded bf16 workspace where FlashMLA takes the query, else the Triton cached kernel
     (said once in the log, with the reason). `workspace_rows` = (SWA rows, compressed rows): upper
     bounds on the distinct rows the indices name (the layer knows them from the batch).
     `workspace_memo`: a one-chunk workspace is kept there and reused by a later call with the
-    same index tensors (`build_workspace`)."""
+    same index tensors, or the same `comp_rows` (`build_workspace`). `comp_rows` [N]: every
+    compressed cache row the batch has (its entries'; `comp_indices` name no other row): where a
+    chunk may name N rows, all N are decoded and numbered in list order (dense), so a later
+    layer reading the same cache through another top-k reuses the decode."""
     triton_attention.check_sparse_attention_cached(
         q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
     )
@@ -204,7 +209,7 @@ def sparse_attention_cached(
         )
     check_quant_mode(quant)  # FlashMLA's order is one for both modes (docs/performance.md)
     sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
-                                workspace_rows)  # fmt: skip
+                                workspace_rows, comp_rows)  # fmt: skip
     d = q.shape[2]
     spans = chunks(q.shape[0], sources, d * 2)
     if len(spans) == 1:  # FlashMLA's output is the result: no copy into another buffer
@@ -227,19 +232,34 @@ def workspace_sources(
     swa_format: str,
     comp_format: str,
     workspace_rows: tuple[int, int] | None,
+    comp_rows: Tensor | None = None,
 ) -> list[_CachedSource]:
-    """(cache, indices, format, row bound) per source; the bound is the caller's, else the
-    cache's rows (a source's distinct rows never exceed either, nor T·K)."""
+    """(cache, indices, format, row bound, dense row list) per source; the bound is the
+    caller's, else the cache's rows (a source's distinct rows never exceed either, nor T·K);
+    the compressed source's bound is at most len(comp_rows), its dense list."""
     hint = workspace_rows or (swa.shape[0], comp.shape[0] if comp is not None else 0)
-    out = [(swa, swa_indices, swa_format, min(int(hint[0]), swa.shape[0]))]
+    out: list[_CachedSource] = [(swa, swa_indices, swa_format, min(int(hint[0]), swa.shape[0]),
+                                 None)]  # fmt: skip
     if comp is not None and comp_indices is not None:
-        out.append((comp, comp_indices, comp_format, min(int(hint[1]), comp.shape[0])))
+        bound = min(int(hint[1]), comp.shape[0])
+        if comp_rows is not None:
+            bound = min(bound, comp_rows.shape[0])
+        out.append((comp, comp_indices, comp_format, bound, comp_rows))
     return out
 
 
 def chunk_bound(sources: list[_CachedSource], rows: int) -> int:
     """Workspace rows a chunk of `rows` queries may need: per source min(rows·K, its bound)."""
-    return sum(min(rows * idx.shape[1], bound) for _, idx, _, bound in sources)
+    return sum(min(rows * idx.shape[1], bound) for _, idx, _, bound, _ in sources)
+
+
+def _dense_lists(sources: list[_CachedSource], bounds: list[int]) -> list[Tensor | None]:
+    """Per source, its dense row list where the chunk may name every listed row (its bound is
+    the list's length), else None (numbered from the indices)."""
+    return [
+        rows if rows is not None and bound == rows.shape[0] and bound > 0 else None
+        for (_, _, _, _, rows), bound in zip(sources, bounds)
+    ]
 
 
 def chunks(t: int, sources: list[_CachedSource], row_bytes: int) -> list[tuple[int, int]]:
@@ -271,42 +291,63 @@ def build_workspace(
     columns (`workspace_rows`: Triton on CUDA and in the interpreter, the torch twins otherwise).
     B is the static bound `chunk_bound`; a count above it (a wrong bound) trips a device-side
     assert, never a silent wrong row. Rows past the count are never named and stay unwritten.
+    A source with a dense row list whose bound is the list's length (the chunk may name every
+    row on it) is numbered by the list instead: all its rows decoded in list order, an index
+    remapped through `invert_rows` (no marks, no prefix sum).
 
-    `memo` (`ops.workspace_rows.WorkspaceMemo`): when it holds a workspace numbered from these
-    very index tensors (the next layer of a forward), that workspace is returned with the first
-    source (the SWA cache, which every layer writes before its attention) decoded again into its
-    rows, and a later source too when its cache is not the one decoded there; else the new
-    workspace is kept in it. The caller empties it when a later source's rows may have changed
-    (the layer that publishes a top-k: its kv source was written before it).
+    `memo` (`ops.workspace_rows.WorkspaceMemo`): when it holds a workspace numbered alike (the
+    same index tensors, or for a dense source the same row list: the next layer of a forward),
+    that workspace is returned with the first source (the SWA cache, which every layer writes
+    before its attention) decoded again into its rows, a later source too when its cache is not
+    the one decoded there, and a dense source's indices remapped when they are other tensors;
+    else the new workspace is kept in it. The caller empties it when a later source's rows may
+    have changed (the layer that writes the compressed cache: `sparse_rows.workspace_memo`).
     """
     span = (rows.start, rows.stop)
-    bounds = [min((rows.stop - rows.start) * idx.shape[1], bound) for _, idx, _, bound in sources]
-    if memo is not None and memo.same_numbering([s[1] for s in sources], bounds, span, d):
-        assert memo.kv is not None and memo.indices is not None and memo.kv.dtype == dtype
-        for i, (cache, indices, fmt, _) in enumerate(sources):
-            held = memo.sources[i]
-            if i == 0 or not same_rows(cache, held[1]) or fmt != held[2]:
-                base, bound = memo.spans[i]
-                _decode(cache, memo.src[i], fmt, d, memo.kv[base : base + bound])
-                memo.sources[i] = (indices, cache, fmt)
-        return memo.kv, memo.indices
+    bounds = [min((rows.stop - rows.start) * s[1].shape[1], s[3]) for s in sources]
+    dense = _dense_lists(sources, bounds)
     device = sources[0][1].device
     numbering = k_rows if device.type == "cuda" or interpreting() else ops_rows
+    if memo is not None and memo.same_numbering([s[1] for s in sources], bounds, span, d, dense):
+        assert memo.kv is not None and memo.indices is not None and memo.kv.dtype == dtype
+        col = 0
+        for i, (cache, indices, fmt, _, _) in enumerate(sources):
+            held, (base, bound), width = memo.sources[i], memo.spans[i], indices.shape[1]
+            if i == 0 or not same_rows(cache, held[1]) or fmt != held[2]:
+                _decode(cache, memo.src[i], fmt, d, memo.kv[base : base + bound])
+            number = memo.number[i]
+            if indices is not held[0] and number is not None:  # a dense source, another top-k
+                part = memo.indices[:, col : col + width]
+                numbering.remap_rows(indices[rows], number, part, base, bound)
+            memo.sources[i] = (indices, cache, fmt)
+            col += width
+        return memo.kv, memo.indices
     kv = torch.empty((max(1, sum(bounds)), d), dtype=dtype, device=device)
-    widths = [idx.shape[1] for _, idx, _, _ in sources]
+    widths = [s[1].shape[1] for s in sources]
     out = torch.empty((rows.stop - rows.start, sum(widths)), dtype=torch.int32, device=device)
     base, col = 0, 0
     kept = memo if memo is not None else WorkspaceMemo()
     kept.hold(kv, out, span)
-    for (cache, indices, fmt, _), bound, width in zip(sources, bounds, widths):
+    for (cache, indices, fmt, _, _), bound, width, listed in zip(sources, bounds, widths, dense):
         idx, part = indices[rows], out[:, col : col + width]
         col += width
         n = cache.shape[0]
         kept.sources.append((indices, cache, fmt))
         kept.spans.append((base, bound))
+        kept.dense.append(listed)
         if bound == 0:
             kept.src.append(torch.empty(0, dtype=torch.int32, device=device))
+            kept.number.append(None)
             part.fill_(-1)
+            continue
+        if listed is not None:  # every listed row, in list order
+            src = listed.to(torch.int32)
+            number = ops_rows.invert_rows(src, n)
+            _decode(cache, src, fmt, d, kv[base : base + bound])
+            numbering.remap_rows(idx, number, part, base, bound)
+            kept.src.append(src)
+            kept.number.append(number)
+            base += bound
             continue
         mark = torch.zeros(n, dtype=torch.int32, device=device)
         numbering.mark_rows(idx, mark)
@@ -319,6 +360,7 @@ def build_workspace(
         # number = count − 1: number < bound ⇔ count < bound + 1, number + base = count + base − 1
         numbering.remap_rows(idx, count, part, base - 1, bound + 1)
         kept.src.append(src)
+        kept.number.append(None)
         base += bound
     return kv, out
 

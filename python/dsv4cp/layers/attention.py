@@ -458,6 +458,7 @@ class DeepseekV41Attention(nn.Module):
             self.quant,
             workspace_rows=self.workspace_rows(ctx),
             workspace_memo=sparse_rows.workspace_memo(self.role, ctx),
+            comp_rows=sparse_rows.comp_rows(self.role, ctx),
         )
         # Padding rows' outputs are zeroed by `forward` after wo_a (invariant 5).
         return rope_tail_(o, local.positions, self.rope_dim, self.theta, self.yarn, inverse=True)

@@ -4,6 +4,7 @@
 of its kv source's compressed cache (the top-k entries), memoised in `ctx.cross.attention` for
 the later layers that read the same rows. `workspace_rows`: upper bounds on the distinct rows
 those indices name, from the batch's shapes (FlashMLA's bf16 workspace, `kernels/flashmla.py`).
+`comp_rows`: every compressed cache row of the batch's entries (the workspace's dense list).
 `workspace_memo`: the forward's kept workspace. `DeepseekV41Attention.attend` calls them with
 its role and window.
 """
@@ -78,11 +79,26 @@ def workspace_rows(role: LayerRole, window: int, ctx: ForwardContext) -> tuple[i
     return swa, int(meta.workspaces[role.ratio].slots.shape[0])
 
 
+def comp_rows(role: LayerRole, ctx: ForwardContext) -> Tensor | None:
+    """int32 [N]: the compressed cache row of each of the batch's entries of the layer's ratio
+    (`CompressedWorkspace.slots`, the global batch's, in workspace order), the only rows its
+    top-k rows name; None on a layer without compressed keys. One tensor per ratio and forward
+    (`ctx.cross.attention.entry_rows`), so the layers reading it share a dense workspace."""
+    if not role.compressed:
+        return None
+    memo, r = ctx.cross.attention, role.ratio
+    if r not in memo.entry_rows:
+        slots = ctx.meta.workspaces[r].slots
+        memo.entry_rows[r] = ctx.cache.entry_rows(r, slots).to(torch.int32)
+    return memo.entry_rows[r]
+
+
 def workspace_memo(role: LayerRole, ctx: ForwardContext) -> WorkspaceMemo:
     """The forward's sparse-attention workspace memo (`ctx.cross.attention.workspace`),
-    emptied by an index source (it publishes a top-k; its kv source wrote the rows the memo
-    may hold)."""
+    emptied by a layer that writes a compressed cache (a kv source: the rows the memo holds
+    decoded may be its cache's, now rewritten). A layer reading another layer's cache through
+    its own top-k (a consumer) keeps it: that cache is written once per forward, before."""
     memo = ctx.cross.attention
-    if not isinstance(memo.workspace, WorkspaceMemo) or role.index_source:
+    if not isinstance(memo.workspace, WorkspaceMemo) or role.owns_compressor:
         memo.workspace = WorkspaceMemo()
     return memo.workspace

@@ -95,6 +95,7 @@ def sparse_attention_cached(
     *,
     workspace_rows: tuple[int, int] | None = None,
     workspace_memo: WorkspaceMemo | None = None,
+    comp_rows: Tensor | None = None,
 ) -> Tensor:
     """Sparse attention over the keys swa[swa_indices] then comp[comp_indices], each cache
     stored in its format (`ops.kv_format`: dense, or quantized rows decoded here to fp32).
@@ -105,7 +106,8 @@ def sparse_attention_cached(
     reference's block order and probability rounding) over the dequantized rows concatenated in
     that order. `workspace_rows` (SWA rows, compressed rows) bounds the distinct rows the
     indices name, for the CUDA path's bf16 workspace (`kernels/flashmla.py`); unused here, as
-    is `workspace_memo` (where the CUDA path keeps that workspace for the next layer).
+    are `workspace_memo` (where the CUDA path keeps that workspace for the next layer) and
+    `comp_rows` (the batch's compressed rows, that workspace's dense list).
     """
     t, h, d = q.shape
     if sink.shape != (h,):
