@@ -18,7 +18,7 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   replay (eager where capture fails). Its ops come through `dsv4cp.routing`: sparse attention is
   FlashMLA's sparse prefill over the chunk-bounded bf16 workspace where `flash_mla` imports
   (`kernels/flashmla.py`; else the Triton cached kernel), the index node the fused logits +
-  running top-k over the decoded index-K workspace (`kernels/indexer_topk.mqa_topk_cached`).
+  running top-k over the decoded index-K workspace (`kernels/indexer_topk_cached.mqa_topk_cached`).
 - peer: the same layer object with its indexer node replaced by SGLang's torch indexer (bf16
   einsum scores, torch.topk; torch candidate publish / consume) and its sparse attention by
   FlashMLA (`flash_mla_sparse_fwd`, legacy SM90 kernels), eager as SGLang runs it, plus the

@@ -86,7 +86,7 @@ ROUTES.update(
         "mqa_topk_candidates": (ops.mqa_topk_candidates, "dsv4cp.kernels.indexer_topk"),
         "mqa_topk_among_blocks": (ops.mqa_topk_among_blocks, "dsv4cp.kernels.indexer_topk"),
         # the layer's index node: the keys read from the index cache, the role's selection
-        "mqa_topk_cached": (ops.mqa_topk_cached, "dsv4cp.kernels.indexer_topk"),
+        "mqa_topk_cached": (ops.mqa_topk_cached, "dsv4cp.kernels.indexer_topk_cached"),
     }
 )
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from dsv4cp import ops, routing
-from dsv4cp.kernels import flashmla
-from dsv4cp.kernels import indexer_topk as fused
+from dsv4cp.kernels import flashmla, indexer_topk
+from dsv4cp.kernels import indexer_topk_cached as fused
 from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 from dsv4cp.ops.kv_format import decode_rows, encode_rows
 
@@ -119,8 +119,9 @@ def test_fused_cached_topk_equals_the_unfused_gpu_path(
     quant: str, role: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     t, n, k_top, bs = 512, 6000, 512, 8
-    # "full" scans; "full-logits" takes the plain top-k's logits route (`pick_route` by width)
-    monkeypatch.setattr(fused, "LOGITS_ROUTE_MAX_WIDTH", n if role == "full-logits" else 0)
+    # "full" scans; "full-logits" takes the plain top-k's logits route (`pick_route` by width,
+    # which reads the limit in indexer_topk, the launcher's module)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", n if role == "full-logits" else 0)
     role = role.removesuffix("-logits")
     q, w, cache, rows, nv, fmt = _index_inputs(t, n, 3, quant == "qat")
     logits = routing.kernel_of("mqa_logits_cached")(
@@ -156,7 +157,7 @@ def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch, r
     prefix + 1K new tokens: the fast path against the Triton cached kernel, with the index
     source's top-k on either route (its 1K keys would take the logits route)."""
     _needs_flashmla()
-    monkeypatch.setattr(fused, "LOGITS_ROUTE_MAX_WIDTH", 0 if route == "scan" else 8192)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0 if route == "scan" else 8192)
     from benchmarks.layer_peer import build_layers, make_context
 
     from dsv4cp.config import DeepseekV41Config

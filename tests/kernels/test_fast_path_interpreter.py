@@ -9,14 +9,14 @@
   against its definition: the i-th marked row, then −1; and over several programs), and
   `remap_rows` in `build_workspace`'s forms (the inclusive count, base − 1, bound + 1; a dense
   row list's `invert_rows`, against its definition);
-- `indexer_topk.mqa_topk_cached` (the layer's index node: the index cache's rows decoded into a
-  workspace, then the fused scan, or for a plain top-k this narrow the logits route: every plain
-  case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and the three
-  roles (full top-k, candidate source, candidate consumer with the map and the gather kernel),
-  two requests (two k_start). Under qat the keys are real fp4 rows and the queries fake-fp4
-  values, as the layer has them; the dots are fp32 (the interpreter), the fp4 products exact, so
-  the bf16 scores and the selections must be identical, ties (frequent after bf16 rounding)
-  broken toward the smaller index.
+- `indexer_topk_cached.mqa_topk_cached` (the layer's index node: the index cache's rows decoded
+  into a workspace, then the fused scan, or for a plain top-k this narrow the logits route:
+  every plain case runs both, `routes()`) against `ops.mqa_topk_cached`, in both numerics and
+  the three roles (full top-k, candidate source, candidate consumer with the map and the gather
+  kernel), two requests (two k_start). Under qat the keys are real fp4 rows and the queries
+  fake-fp4 values, as the layer has them; the dots are fp32 (the interpreter), the fp4 products
+  exact, so the bf16 scores and the selections must be identical, ties (frequent after bf16
+  rounding) broken toward the smaller index.
 
 TRITON_INTERPRET must be set before triton is imported: the cases run in a child process (this
 file as a script) and report back as JSON.
@@ -62,7 +62,8 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
 
     from dsv4cp import ops
     from dsv4cp.kernels import flashmla
-    from dsv4cp.kernels import indexer_topk as kern
+    from dsv4cp.kernels import indexer_topk as kern  # the launcher; pick_route reads its limit
+    from dsv4cp.kernels import indexer_topk_cached as kern_cached
     from dsv4cp.kernels.kv_decode import decode_gather
     from dsv4cp.ops.attention_quant import fake_quant_index_fp4
     from dsv4cp.ops.kv_format import decode_rows, encode_rows
@@ -203,7 +204,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         quant = "qat" if qat else "none"
         common = dict(k_start=ks, width=130, k_format=fmt, quant=quant)
         want = ops.mqa_topk_cached(q, w, cache, rows, nv, 8, **common, **kw)  # type: ignore[arg-type]
-        got = kern.mqa_topk_cached(q, w, cache, rows, nv, 8, **common, **kw)  # type: ignore[arg-type]
+        got = kern_cached.mqa_topk_cached(q, w, cache, rows, nv, 8, **common, **kw)  # type: ignore[arg-type]
         return got, want, (q, w, cache, rows, nv, ks, fmt)
 
     def topk_cached_none_dense():
@@ -273,7 +274,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         assert not torch.equal(want, fp32), "the case must tell the numerics apart"
         for quant, ref in (("qat", want), ("none", fp32)):
             for route in routes():
-                got = kern.mqa_topk_cached(*args, quant=quant, **kw)[0]  # type: ignore[arg-type]
+                got = kern_cached.mqa_topk_cached(*args, quant=quant, **kw)[0]  # type: ignore[arg-type]
                 equal(got, ref, f"{quant} ties, {route}")
             blocks = torch.arange(n // 4).expand(5, -1).int()
             got = kern.launch_mqa_topk(
@@ -320,7 +321,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             logits = mqa_logits_cached(q, w, cache, rows, nv, width=150, k_format=fmt, quant=quant)
             want = topk_indices(logits, nv, 8)
             for route in routes():
-                got = kern.mqa_topk_cached(
+                got = kern_cached.mqa_topk_cached(
                     q, w, cache, rows, nv, 8, width=150, k_format=fmt, quant=quant
                 )
                 equal(got[0], want, f"{route} vs cached kernel, {quant}")

@@ -26,9 +26,8 @@ H200: docs/performance.md §13).
 quant="qat": the reference's bf16 index scores (`index_score`), so the selection is that of
 `ops.attention_quant.index_scores_qat` and deterministic per row (CP = N equals CP = 1).
 
-`mqa_topk_cached` (the layer's call) reads the keys from the index-key cache: the workspace
-entries' rows decoded once into a dense [N, D_I] workspace in q.dtype (bounded by the batch's
-entries: 256 B per entry in bf16), then the scan (or the logits route, by width).
+The layer's call over the index-key cache, `mqa_topk_cached`, is in `indexer_topk_cached`: it
+decodes the keys into a dense workspace, then calls `launch_mqa_topk`.
 """
 
 from __future__ import annotations
@@ -43,10 +42,8 @@ from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
 from dsv4cp.kernels.indexer_topk_plan import plan_gather, plan_pieces, plan_seed
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
-from dsv4cp.kernels.kv_decode import decode_gather
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
 from dsv4cp.ops.indexer_topk import in_row_chunks
-from dsv4cp.ops.kv_format import check_format
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 MAX_K = 2048
@@ -383,47 +380,3 @@ def mqa_topk_among_blocks(
         q, weights, k, n_visible, k_top,
         k_start=k_start, width=width, block_ids=block_ids, block_size=block_size, quant=quant,
     )[0]  # fmt: skip
-
-
-def mqa_topk_cached(
-    q: Tensor,
-    weights: Tensor,
-    k_cache: Tensor,
-    k_rows: Tensor,
-    n_visible: Tensor,
-    k_top: int,
-    *,
-    k_start: Tensor | None = None,
-    width: int | None = None,
-    k_format: str = "dense",
-    quant: QuantMode = "none",
-    block_size: int = 1,
-    max_blocks: int = 0,
-    block_ids: Tensor | None = None,
-    mean_visible: float | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Triton twin of ops.indexer_topk.mqa_topk_cached: the workspace entries' index keys decoded
-    once into a dense workspace [N, D_I] in q.dtype (`kv_decode.decode_gather`: exact, 256 B per
-    entry in bf16 at D_I = 128), then the fused scan, or for a plain top-k over ≤
-    LOGITS_ROUTE_MAX_WIDTH keys the logits route (`launch_mqa_topk`, `pick_route`)."""
-    d = q.shape[-1]
-    keys = index_workspace(k_cache, k_rows, k_format, d, q.dtype)
-    if block_ids is not None and max_blocks:
-        raise ValueError("mqa_topk_cached: block_ids (consumer) and max_blocks (source) exclude")
-    return launch_mqa_topk(
-        q, weights, keys, n_visible, k_top,
-        k_start=k_start, width=width, block_ids=block_ids, block_size=block_size,
-        max_blocks=max_blocks, quant=quant, route="auto", mean_visible=mean_visible,
-    )  # fmt: skip
-
-
-def index_workspace(
-    k_cache: Tensor, k_rows: Tensor, k_format: str, d: int, dtype: torch.dtype
-) -> Tensor:
-    """The keys of the workspace entries [N, d] in `dtype`, decoded from their cache rows (−1 rows
-    read row 0, as the twin does: never visible by contract)."""
-    check_format(k_format)
-    if k_rows.dim() != 1:
-        raise ValueError(f"mqa_topk_cached: k_rows must be [N], got {tuple(k_rows.shape)}")
-    out = torch.empty((k_rows.shape[0], d), dtype=dtype, device=k_cache.device)
-    return decode_gather(k_cache, k_rows.clamp_min(0), k_format, d, out)
