@@ -374,15 +374,15 @@ def measure_ceiling(device: str, smoke: bool) -> float:
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, cfg: DeepseekV41Config) -> None:
+        """`cfg`: the tiny config for --smoke, else Flash (`main` picks it once)."""
         self.smoke = args.smoke
         self.device = "cpu" if args.smoke else "cuda"
         self.dtype = torch.bfloat16
+        self.cfg = cfg
         if args.smoke:
-            self.cfg = DeepseekV41Config.tiny()
             self.cases, self.layer_ids, self.cp_case = SMOKE_CASES, SMOKE_LAYERS, SMOKE_CP_CASE
         else:
-            self.cfg = DeepseekV41Config.flash()
             self.cases, self.layer_ids, self.cp_case = CASES, LAYERS, CP_CASE
         if args.layers:
             self.layer_ids = tuple(int(v) for v in args.layers.split(","))
@@ -909,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     cp_rows: list[dict[str, Any]] = []
     run: Run | None = None
     try:
-        run = Run(args)
+        run = Run(args, cfg)
         names = [c for c in args.cases.split(",") if c] or list(run.cases)
         unknown = [c for c in names if c not in run.cases]
         if unknown:
