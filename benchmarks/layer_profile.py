@@ -1,6 +1,6 @@
 """Where one V4.1-Flash attention layer's time goes: the top CUDA kernels of its eager forward.
 
-The layers and context of `layer_peer.py` (random weights, bf16, `--quant` numerics, one
+The layers and context of `layer_peer_setup.py` (random weights, bf16, `--quant` numerics, one
 request, `--tokens` new tokens after a cached `--prefix`), each layer profiled alone after
 warm-up; prints a torch.profiler table per layer and writes the top kernels as JSON.
 
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from benchmarks.benchutil import finish
-from benchmarks.layer_peer import build_layers, layer_list_problem, make_context
+from benchmarks.layer_peer_setup import build_layers, layer_list_problem, make_context
 from benchmarks.prefill import SoloCPGroup
 from benchmarks.profile_stages import by_stage
 from dsv4cp.config import DeepseekV41Config

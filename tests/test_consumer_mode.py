@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmarks.layer_peer import build_layers, make_context
+from benchmarks.layer_peer_setup import build_layers, make_context
 
 from dsv4cp.batch import PrefillBatch, RequestSlice, build_metadata, visible_entries
 from dsv4cp.config import DeepseekV41Config

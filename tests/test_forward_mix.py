@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks import forward_mix, layer_peer
+from benchmarks import forward_mix, layer_peer_setup
 
 from dsv4cp.config import DeepseekV41Config
 
@@ -21,9 +21,9 @@ def _row(layer: int, rank: float, ideal: float, cp: int = 8, **kw: float) -> dic
 
 
 def test_every_flash_layer_maps_to_its_roles_measured_layer() -> None:
-    reps = forward_mix.representatives(FLASH, list(layer_peer.LAYERS))
+    reps = forward_mix.representatives(FLASH, list(layer_peer_setup.LAYERS))
     assert len(reps) == FLASH.num_hidden_layers == 40
-    counts = {i: list(reps.values()).count(i) for i in layer_peer.LAYERS}
+    counts = {i: list(reps.values()).count(i) for i in layer_peer_setup.LAYERS}
     assert counts == {0: 1, 1: 1, 2: 3, 3: 15, 20: 1, 21: 15, 24: 4}
     assert reps[8] == reps[14] == 2 and reps[36] == 24 and reps[39] == 21 and reps[19] == 3
 
@@ -48,7 +48,7 @@ def test_the_sum_weights_each_layer_by_its_count_and_prefers_auto() -> None:
 
 
 def test_groups_are_per_case_and_cp_and_a_partial_group_is_an_error() -> None:
-    rows = [_row(i, 2.0, 1.0, cp=4) for i in layer_peer.LAYERS]
+    rows = [_row(i, 2.0, 1.0, cp=4) for i in layer_peer_setup.LAYERS]
     rows += [_row(i, 2.0, 1.0, cp=8) for i in (0, 1, 2)]
     rows.append(dict(case="chunk16k@112k", cp=8, layer=3, error="time budget"))
     four, eight = forward_mix.forward_mix(FLASH, rows)
@@ -58,7 +58,7 @@ def test_groups_are_per_case_and_cp_and_a_partial_group_is_an_error() -> None:
 
 def test_the_cli_reads_a_results_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = tmp_path / "peer.json"
-    rows = [_row(i, 1.1, 1.0) for i in layer_peer.LAYERS]
+    rows = [_row(i, 1.1, 1.0) for i in layer_peer_setup.LAYERS]
     src.write_text(json.dumps({"config": "flash", "cp_rows": rows}))
     out = tmp_path / "mix.json"
     assert forward_mix.main([str(src), "--out", str(out)]) == 0

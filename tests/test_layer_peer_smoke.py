@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmarks import layer_peer
+from benchmarks import layer_peer, layer_peer_cp, layer_peer_setup
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.executors import StreamPool
@@ -19,7 +19,7 @@ def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
     assert layer_peer.main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [r["layer"] for r in rows] == list(layer_peer.SMOKE_LAYERS)
+    assert [r["layer"] for r in rows] == list(layer_peer_setup.SMOKE_LAYERS)
     assert all("error" not in r for r in rows), [r.get("error") for r in rows]
     for r in rows:
         assert r["dsv4cp_ms"] > 0 and r["peer_ms"] > 0 and r["floor_ms"] > 0
@@ -35,7 +35,7 @@ def test_smoke_run_writes_rows_cp_rows_and_targets(tmp_path: Path) -> None:
     assert doc["targets"] and doc["config"] == "tiny" and doc["quant"] == "qat"
     assert all(r["attn_layer_ms"] > 0 for r in rows)
     (mix,) = doc["forward_mix"]  # the tiny config's six layers are its six measured roles
-    assert mix["cp"] == 2 and mix["counts"] == {str(i): 1 for i in layer_peer.SMOKE_LAYERS}
+    assert mix["cp"] == 2 and mix["counts"] == {str(i): 1 for i in layer_peer_setup.SMOKE_LAYERS}
     rank = sum(r.get("auto_rank_ms", r["rank_ms"]) for r in doc["cp_rows"])
     assert mix["rank_ms"] == pytest.approx(rank)
     assert mix["ideal_ms"] == pytest.approx(sum(r["ideal_ms"] for r in doc["cp_rows"]))
@@ -68,12 +68,12 @@ def test_auto_executor_is_the_policy_pick_inside_graphs(monkeypatch: pytest.Monk
     monkeypatch.delenv("DSV4CP_MULTISTREAM_MAX_TOKENS", raising=False)
     roles = DeepseekV41Config.tiny().layer_roles()  # swa, r2 source, r2 reuse, ...
     streams = StreamPool([], torch.device("cpu"))  # no lanes: stands in for CUDA streams
-    picks = [layer_peer.auto_executor(r, 2048, streams) for r in roles]
+    picks = [layer_peer_cp.auto_executor(r, 2048, streams) for r in roles]
     assert picks == ["multistream", "multistream", "serial", "multistream", "serial", "multistream"]
-    assert layer_peer.auto_executor(roles[1], 16384, streams) == "serial"  # above 8192
-    assert layer_peer.auto_executor(roles[1], 2048, None) == "serial"
+    assert layer_peer_cp.auto_executor(roles[1], 16384, streams) == "serial"  # above 8192
+    assert layer_peer_cp.auto_executor(roles[1], 2048, None) == "serial"
     monkeypatch.setenv("DSV4CP_MULTISTREAM", "off")
-    assert layer_peer.auto_executor(roles[1], 2048, streams) == "serial"
+    assert layer_peer_cp.auto_executor(roles[1], 2048, streams) == "serial"
 
 
 def test_unknown_case_is_refused(tmp_path: Path) -> None:
@@ -100,8 +100,9 @@ def test_a_layer_list_that_cannot_run_is_refused_before_any_work(
 
 def test_the_flash_lists_name_what_each_layer_reads() -> None:
     flash = DeepseekV41Config.flash()
-    assert layer_peer.layer_list_problem(flash, "0,1,2,3,20,21,24") is None
-    assert "layer 24 reads what layer(s) [20]" in str(layer_peer.layer_list_problem(flash, "24"))
-    assert "layer 21 reads what layer(s) [20]" in str(layer_peer.layer_list_problem(flash, "21,24"))
-    assert layer_peer.layer_list_problem(flash, "20,21,24") is None
-    assert "layer 9 reads what layer(s) [8]" in str(layer_peer.layer_list_problem(flash, "2,9"))
+    problem = layer_peer_setup.layer_list_problem
+    assert problem(flash, "0,1,2,3,20,21,24") is None
+    assert "layer 24 reads what layer(s) [20]" in str(problem(flash, "24"))
+    assert "layer 21 reads what layer(s) [20]" in str(problem(flash, "21,24"))
+    assert problem(flash, "20,21,24") is None
+    assert "layer 9 reads what layer(s) [8]" in str(problem(flash, "2,9"))

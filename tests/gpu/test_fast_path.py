@@ -158,7 +158,7 @@ def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch, r
     source's top-k on either route (its 1K keys would take the logits route)."""
     _needs_flashmla()
     monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0 if route == "scan" else 8192)
-    from benchmarks.layer_peer import build_layers, make_context
+    from benchmarks.layer_peer_setup import build_layers, make_context
 
     from dsv4cp.config import DeepseekV41Config
 

@@ -222,7 +222,7 @@ def test_layers_on_the_flashmla_path_equal_the_ops_path(
     (the fake computing the ops' attention over the workspace) equals the ops path. The
     layer's `workspace_rows` travel with the call; a bound below the distinct rows would drop
     keys and show here."""
-    from benchmarks.layer_peer import build_layers
+    from benchmarks.layer_peer_setup import build_layers
 
     import dsv4cp.layers.attention as layer_module
 
@@ -315,7 +315,7 @@ def test_layers_share_the_workspace_and_equal_the_ops_path(monkeypatch: pytest.M
     earlier layers made (the same tensors) and number no rows (no `mark_rows` call), the layers
     that write a compressed cache (and the first layer) number theirs; the consumer, which
     publishes a top-k over the candidate source's cache, reuses that numbering."""
-    from benchmarks.layer_peer import build_layers
+    from benchmarks.layer_peer_setup import build_layers
 
     import dsv4cp.layers.attention as layer_module
 
