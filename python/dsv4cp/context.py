@@ -30,10 +30,11 @@ class AttentionMemo:
     """What the attention layers of one forward compute alike, kept for the next layer: the SWA
     rows the batch's keys are stored at and the window's SWA rows (the same for every layer), the
     compressed rows of the latest top-k (the same for every layer that reads that top-k through
-    that kv source), and the kernels' last sparse-attention workspace
-    (`ops.workspace_rows.WorkspaceMemo`, FlashMLA's bf16 rows and remapped indices: a later call
-    with the same index tensors decodes only its own SWA rows into it). A layer that publishes a
-    top-k computes its rows and workspace afresh."""
+    that kv source), per ratio the cache rows of the batch's compressed entries, and the kernels'
+    last sparse-attention workspace (`ops.workspace_rows.WorkspaceMemo`, FlashMLA's bf16 rows and
+    remapped indices: a later call with the same index tensors, or the same entry rows, decodes
+    only its own SWA rows into it). A layer that publishes a top-k computes its compressed rows
+    afresh; one that writes a compressed cache (a kv source) also its workspace."""
 
     window: Tensor | None = None  # [L, W] int32 SWA cache rows, −1 none
     store_rows: Tensor | None = None  # [T] int64 SWA rows of the gathered keys, gather order
