@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmarks.kernels import mqa_topk
+from benchmarks.kernels_indexer import mqa_topk
 
 from dsv4cp import ops, routing
 from dsv4cp.kernels.indexer_logits import mqa_logits

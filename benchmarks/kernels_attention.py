@@ -1,0 +1,147 @@
+"""The attention sections of the kernel benchmark (benchmarks/kernels.py): attn (sparse
+attention with sink, FlashMLA's sparse prefill as the peer) and workspace (FlashMLA's bf16
+workspace over the caches)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import kernels_common as common
+from benchmarks.kernels_common import _maxdiff, _ms, _pick, _row
+from dsv4cp import ops
+from dsv4cp.kernels.attention import attention_flops
+from dsv4cp.kernels.attention import launch_sparse_attention as attn_kernel
+
+ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
+
+
+def bench_attention(sweep: bool) -> None:
+    t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
+    q = torch.randn(t, h, d, device=common.DEV).bfloat16()
+    kv = torch.randn(n, d, device=common.DEV).bfloat16()
+    idx = torch.randint(0, n, (t, kk), device=common.DEV, dtype=torch.int32)
+    sink = torch.randn(h, device=common.DEV)
+    scale = d**-0.5
+    flops = attention_flops(t, h, kk, d, d)
+    shape = f"T={t} H={h} D={d} K={kk} N={n}"
+    ref = ops.sparse_attention(q, kv, idx, sink, scale)
+    _row(
+        "attn",
+        "ops twin (gather+einsum)",
+        shape,
+        "bf16",
+        _ms(lambda: ops.sparse_attention(q, kv, idx, sink, scale), 5),
+        flops=flops,
+    )
+    for cfg in ATTN_SWEEP if sweep else [None]:
+        out = attn_kernel(q, kv, idx, sink, scale, config=cfg)
+        ms = _ms(lambda cfg=cfg: attn_kernel(q, kv, idx, sink, scale, config=cfg))
+        _row(
+            "attn",
+            f"triton {cfg or 'default'}",
+            shape,
+            "bf16",
+            ms,
+            flops=flops,
+            maxdiff=_maxdiff(out, ref),
+        )
+    # V4.1-like rows: early rows see few top-k entries (-1 elsewhere).
+    top = kk - _pick(128, 16)
+    p = torch.arange(t, device=common.DEV) * 4
+    mask = torch.arange(top, device=common.DEV)[None, :] <= p[:, None]
+    idx_v41 = torch.cat([torch.where(mask, idx[:, :top], -1), idx[:, top:]], 1).contiguous()
+    ms = _ms(lambda: attn_kernel(q, kv, idx_v41, sink, scale))
+    valid = (idx_v41 >= 0).sum().item()
+    _row(
+        "attn",
+        "triton default, V4.1 -1 rows",
+        shape,
+        "bf16",
+        ms,
+        flops=2.0 * h * valid * 2 * d,
+        flops_counted="valid indices",
+    )
+    try:
+        import flash_mla
+    except Exception as exc:  # the peer is optional
+        print(f"flash_mla unavailable: {exc!r}")
+        return
+    kv3, idx3 = kv[:, None, :], idx[:, None, :]
+
+    def peer() -> torch.Tensor:
+        return flash_mla.flash_mla_sparse_fwd(
+            q, kv3, idx3, scale, d, attn_sink=sink, use_legacy=True
+        )[0]
+
+    out = peer()
+    _row(
+        "attn",
+        "FlashMLA sparse_fwd (legacy)",
+        shape,
+        "bf16",
+        _ms(peer),
+        flops=flops,
+        maxdiff=_maxdiff(out, ref),
+    )
+    idx3b = idx_v41[:, None, :]
+    _row(
+        "attn",
+        "FlashMLA, V4.1 -1 rows",
+        shape,
+        "bf16",
+        _ms(
+            lambda: flash_mla.flash_mla_sparse_fwd(
+                q, kv3, idx3b, scale, d, attn_sink=sink, use_legacy=True
+            )[0]
+        ),
+        flops=2.0 * h * valid * 2 * d,
+        flops_counted="valid indices",
+    )
+
+
+def bench_workspace() -> None:
+    """`flashmla.build_workspace` for one index layer's chunk at Flash shapes: 16K queries, the
+    SWA window (128 per row) over the chunk's SWA rows and the top-k (512 per row) over a ratio-2
+    cache of 8K entries, qat formats; the rows' numbering by the Triton kernels (shipped) and by
+    their torch twins (`ops.workspace_rows`: marks by `scatter_reduce`, not the `index_fill_`
+    into a sink row that the CUDA path ran before the kernels), same decode, same outputs."""
+    from dsv4cp.kernels import flashmla
+    from dsv4cp.ops import workspace_rows as ops_rows
+    from dsv4cp.ops.kv_format import encode_rows
+
+    t, n_swa, n_comp, d = _pick((16384, 16384, 8192, 512), (8, 24, 16, 64))
+    win, top = _pick((128, 512), (8, 16))
+    gen = torch.Generator(device=common.DEV).manual_seed(0)
+    swa = encode_rows(
+        torch.randn(n_swa, d, device=common.DEV), "fp8_ue8m0_32", dense_dtype=torch.bfloat16
+    )
+    comp = encode_rows(
+        torch.randn(n_comp, d, device=common.DEV), "fp8_ue8m0_32", dense_dtype=torch.bfloat16
+    )
+    rows = torch.arange(t, device=common.DEV)[:, None]
+    swa_idx = (rows - torch.arange(win, device=common.DEV)[None, :]).clamp(min=-1).int()
+    comp_idx = torch.randint(0, n_comp, (t, top), device=common.DEV, generator=gen).int()
+    comp_idx = torch.where(comp_idx > rows // 2, -1, comp_idx)
+    src = flashmla.workspace_sources(swa, swa_idx, comp, comp_idx, "fp8_ue8m0_32", "fp8_ue8m0_32",
+                                     (n_swa, n_comp))  # fmt: skip
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return flashmla.build_workspace(src, slice(0, t), d, torch.bfloat16)
+
+    shape = f"T={t} K={win}+{top} N={n_swa}+{n_comp} D={d}"
+    kv, idx = run()
+    ms_kernel = _ms(run)
+    saved = flashmla.k_rows
+    flashmla.k_rows = ops_rows  # type: ignore[assignment] # the same functions, in torch
+    try:
+        kv_t, idx_t = run()
+        ms_twin = _ms(run)
+    finally:
+        flashmla.k_rows = saved
+    same = bool(torch.equal(idx, idx_t)) and bool(
+        torch.equal(kv[idx[idx >= 0].long()], kv_t[idx_t[idx_t >= 0].long()])
+    )
+    nbytes = 4.0 * (swa_idx.numel() + comp_idx.numel()) * 3  # indices read twice, written once
+    _row("workspace", "ops twins (torch numbering)", shape, "int32", ms_twin, nbytes=nbytes)
+    _row("workspace", "kernels (shipped)", shape, "int32", ms_kernel, nbytes=nbytes,
+         twin_over_kernel=ms_twin / ms_kernel, same_output=same)  # fmt: skip
