@@ -340,27 +340,25 @@ def build_workspace(
             kept.number.append(None)
             part.fill_(-1)
             continue
+        inverted = None  # the dense list's numbering, kept for a later remap
         if listed is not None:  # every listed row, in list order
             src = listed.to(torch.int32)
-            number = ops_rows.invert_rows(src, n)
-            _decode(cache, src, fmt, d, kv[base : base + bound])
-            numbering.remap_rows(idx, number, part, base, bound)
-            kept.src.append(src)
-            kept.number.append(number)
-            base += bound
-            continue
-        mark = torch.zeros(n, dtype=torch.int32, device=device)
-        numbering.mark_rows(idx, mark)
-        count = torch.cumsum(mark, 0, dtype=torch.int32)  # a marked row's number: count − 1
-        if device.type == "cuda":
-            torch._assert_async(count[-1] <= bound, "sparse_attention_cached: workspace bound")
-        src = torch.empty(bound, dtype=torch.int32, device=device)
-        numbering.place_rows(count, src)
+            inverted = ops_rows.invert_rows(src, n)
+            numbering.remap_rows(idx, inverted, part, base, bound)
+        else:
+            mark = torch.zeros(n, dtype=torch.int32, device=device)
+            numbering.mark_rows(idx, mark)
+            count = torch.cumsum(mark, 0, dtype=torch.int32)  # a marked row's number: count − 1
+            if device.type == "cuda":
+                torch._assert_async(count[-1] <= bound, "sparse_attention_cached: workspace bound")
+            src = torch.empty(bound, dtype=torch.int32, device=device)
+            numbering.place_rows(count, src)
+            # number = count − 1: number < bound ⇔ count < bound + 1,
+            # number + base = count + base − 1
+            numbering.remap_rows(idx, count, part, base - 1, bound + 1)
         _decode(cache, src, fmt, d, kv[base : base + bound])
-        # number = count − 1: number < bound ⇔ count < bound + 1, number + base = count + base − 1
-        numbering.remap_rows(idx, count, part, base - 1, bound + 1)
         kept.src.append(src)
-        kept.number.append(None)
+        kept.number.append(inverted)
         base += bound
     return kv, out
 
