@@ -11,7 +11,11 @@ import pytest
 HOPPER_SMEM = 232448  # bytes per block, sm_90 (227 KB)
 
 
-def _shared_bytes(swa_fmt: int, comp_fmt: int, qat: bool, stages: int) -> int:
+def _shared_bytes(
+    swa_fmt: int, comp_fmt: int, qat: bool, stages: int, ones: tuple[str, ...] = ()
+) -> int:
+    """The kernel's shared bytes; `ones`: runtime ints compiled as the constant 1 (what Triton's
+    JIT does to a 1 unless the parameter is `do_not_specialize`)."""
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -26,6 +30,9 @@ def _shared_bytes(swa_fmt: int, comp_fmt: int, qat: bool, stages: int) -> int:
     const = dict(D=512, D_PAD=512, BLOCK_H=64, BLOCK_N=DEFAULT_CONFIG[0], SWA_FMT=swa_fmt,
                  COMP_FMT=comp_fmt, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False)  # fmt: skip
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
+    for name in ones:
+        sig[name] = "constexpr"
+        const[name] = 1
     hinted = [i for i, n in enumerate(fn.arg_names[: len(types)])
               if types[i].startswith("*") or n.startswith("stride")]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
@@ -59,3 +66,21 @@ def test_launch_config_fits_hopper_shared_memory(swa: str, comp: str, qat: bool)
 def test_the_refused_config_is_what_the_stage_rule_avoids() -> None:
     """Witness: two stages of qat over dense rows exceed the limit (what the H200 refused)."""
     assert _shared_bytes(0, 0, True, 2) > HOPPER_SMEM
+
+
+def test_counts_of_one_are_not_compiled_as_constants() -> None:
+    """A launch with one index per query (or one cache row) must not specialise the count to a
+    constant: Triton 3.6 then pipelines the one-trip loop into 262 KB of shared memory at Flash
+    dims (the H100 refused such a launch). The kernel's JIT keeps these counts runtime values."""
+    pytest.importorskip("triton")
+    from dsv4cp.kernels.attention import _sparse_attention_kernel
+
+    counts = ("N_SWA", "N_COMP", "NUM_SWA_IDX", "NUM_COMP_IDX")
+    kept = {p.name for p in _sparse_attention_kernel.params if p.do_not_specialize}
+    assert set(counts) <= kept
+    # witness: one index per query, its count compiled as 1, does not fit (262,400 B)
+    from dsv4cp.kernels.attention import DEFAULT_CONFIG, pipeline_stages
+
+    stages = pipeline_stages(DEFAULT_CONFIG[2], 0, 0, False)
+    assert _shared_bytes(0, 0, False, stages) <= HOPPER_SMEM
+    assert _shared_bytes(0, 0, False, stages, ones=("NUM_SWA_IDX",)) > HOPPER_SMEM

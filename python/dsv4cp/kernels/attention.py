@@ -133,7 +133,10 @@ def _attend_concatenated(
     return m, l_sum, acc
 
 
-@triton.jit
+# A count or row count of 1 would be compiled as a constant: Triton then pipelines the one-trip
+# loop into 262 KB of shared memory at Flash dims, above Hopper's 227 KB (a launch with one index
+# per query failed so on the H100; tests/kernels/test_attention_compile.py).
+@triton.jit(do_not_specialize=["N_SWA", "N_COMP", "NUM_SWA_IDX", "NUM_COMP_IDX"])
 def _sparse_attention_kernel(
     q_ptr,
     swa_ptr,
