@@ -2,13 +2,14 @@
 
     PYTHONPATH=python python -m benchmarks.kernels --out out/kernels.json [--sweep] [--only mqa]
 
-Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention
-with sink; FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA
-store and the ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries,
-previous config vs default), workspace (FlashMLA's bf16 workspace over the caches: the rows'
-numbering by the Triton `workspace_rows` kernels against their torch twins, the same decode),
-writers (the layer's SWA rows, compressor and index keys, qat: the previous chain against the
-fused writers that quantize and encode in their pass).
+Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention with
+sink: the Triton kernel, the Gluon sm_90 kernels on Hopper (`--gluon-ws` adds the warp-specialised
+one); FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA store and the
+ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries, previous config vs
+default), workspace (FlashMLA's bf16 workspace over the caches: the rows' numbering by the Triton
+`workspace_rows` kernels against their torch twins, the same decode), writers (the layer's SWA rows,
+compressor and index keys, qat: the previous chain against the fused writers that quantize and
+encode in their pass).
 Every kernel row also records its max |kernel − twin|.
 Compute rows give TFLOP/s and the fraction of the measured bf16 GEMM rate and of 790 TFLOP/s;
 memory rows give GB/s over the bytes each op must move and the fraction of the measured copy rate
@@ -31,7 +32,7 @@ SECTIONS = {
     "ceilings": lambda a: common.bench_ceilings(),
     "mqa": lambda a: kernels_indexer.bench_mqa(a.sweep),
     "topk": lambda a: kernels_indexer.bench_topk(),
-    "attn": lambda a: kernels_attention.bench_attention(a.sweep),
+    "attn": lambda a: kernels_attention.bench_attention(a.sweep, a.gluon_ws),
     "rows": lambda a: kernels_rows.bench_rows(),
     "rope": lambda a: kernels_rows.bench_rope(),
     "workspace": lambda a: kernels_attention.bench_workspace(),
@@ -44,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--sweep", action="store_true", help="time several kernel configs")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument(
+        "--gluon-ws",
+        action="store_true",
+        help="attn: also time the warp-specialised Gluon kernel (unproven past two tiles)",
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
     )

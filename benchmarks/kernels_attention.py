@@ -4,6 +4,8 @@ workspace over the caches)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from benchmarks import kernels_common as common
@@ -11,11 +13,25 @@ from benchmarks.kernels_common import _maxdiff, _ms, _pick, _row
 from dsv4cp import ops
 from dsv4cp.kernels.attention import attention_flops
 from dsv4cp.kernels.attention import launch_sparse_attention as attn_kernel
+from dsv4cp.kernels.attention_gluon import (
+    PIPELINED_CONFIGS,
+    gluon_attention_available,
+    sparse_attention_gluon,
+)
 
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
 
-def bench_attention(sweep: bool) -> None:
+def _key(name: str) -> str:
+    """A JSON key for a kernel's ratio to FlashMLA: "gluon sm_90 (128, 1)" → gluon_sm_90_128x1."""
+    for a, b in ((" (", "_"), (", ", "x"), (")", ""), (" ", "_")):
+        name = name.replace(a, b)
+    return f"{name}_over_flashmla"
+
+
+def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
+    """`gluon_ws`: also time the warp-specialised Gluon kernel (docs/performance.md §24: not yet
+    run to completion on a GPU beyond two tiles; its GPU test runs it under a time limit)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
     kv = torch.randn(n, d, device=common.DEV).bfloat16()
@@ -33,9 +49,12 @@ def bench_attention(sweep: bool) -> None:
         _ms(lambda: ops.sparse_attention(q, kv, idx, sink, scale), 5),
         flops=flops,
     )
+    ms_triton = float("nan")
     for cfg in ATTN_SWEEP if sweep else [None]:
         out = attn_kernel(q, kv, idx, sink, scale, config=cfg)
         ms = _ms(lambda cfg=cfg: attn_kernel(q, kv, idx, sink, scale, config=cfg))
+        if cfg in (None, ATTN_SWEEP[0]):
+            ms_triton = ms
         _row(
             "attn",
             f"triton {cfg or 'default'}",
@@ -61,6 +80,31 @@ def bench_attention(sweep: bool) -> None:
         flops=2.0 * h * valid * 2 * d,
         flops_counted="valid indices",
     )
+    gluon_ms: dict[str, float] = {}
+    if gluon_attention_available(q):
+        gluon = {
+            f"gluon sm_90 {cfg}": functools.partial(sparse_attention_gluon, config=cfg)
+            for cfg in PIPELINED_CONFIGS
+        }
+        if gluon_ws:
+            from dsv4cp.kernels.attention_gluon_ws import sparse_attention_gluon_ws
+
+            gluon["gluon ws sm_90"] = sparse_attention_gluon_ws
+        for name, fn in gluon.items():
+            for label, ix in (("", idx), (", V4.1 -1 rows", idx_v41)):
+                out = fn(q, kv, ix, sink, scale)
+                gluon_ms[name + label] = _ms(lambda fn=fn, ix=ix: fn(q, kv, ix, sink, scale))
+                _row(
+                    "attn",
+                    name + label,
+                    shape,
+                    "bf16",
+                    gluon_ms[name + label],
+                    flops=flops if not label else 2.0 * h * valid * 2 * d,
+                    maxdiff=_maxdiff(out, ops.sparse_attention(q, kv, ix, sink, scale)),
+                )
+    else:
+        print("gluon sm_90 kernels: not run (need Gluon, a Hopper GPU and 64 heads x 512)")
     try:
         import flash_mla
     except Exception as exc:  # the peer is optional
@@ -74,28 +118,38 @@ def bench_attention(sweep: bool) -> None:
         )[0]
 
     out = peer()
+    peer_ms = _ms(peer)
     _row(
         "attn",
         "FlashMLA sparse_fwd (legacy)",
         shape,
         "bf16",
-        _ms(peer),
+        peer_ms,
         flops=flops,
         maxdiff=_maxdiff(out, ref),
+        triton_over_flashmla=peer_ms / ms_triton,
+        **{_key(k): peer_ms / v for k, v in gluon_ms.items() if "-1 rows" not in k},  # fmt: skip
     )
     idx3b = idx_v41[:, None, :]
+    peer_v41_ms = _ms(
+        lambda: flash_mla.flash_mla_sparse_fwd(
+            q, kv3, idx3b, scale, d, attn_sink=sink, use_legacy=True
+        )[0]
+    )
     _row(
         "attn",
         "FlashMLA, V4.1 -1 rows",
         shape,
         "bf16",
-        _ms(
-            lambda: flash_mla.flash_mla_sparse_fwd(
-                q, kv3, idx3b, scale, d, attn_sink=sink, use_legacy=True
-            )[0]
-        ),
+        peer_v41_ms,
         flops=2.0 * h * valid * 2 * d,
         flops_counted="valid indices",
+        triton_over_flashmla=peer_v41_ms / ms,
+        **{
+            _key(k.removesuffix(", V4.1 -1 rows")): peer_v41_ms / v
+            for k, v in gluon_ms.items()
+            if "-1 rows" in k
+        },  # fmt: skip
     )
 
 

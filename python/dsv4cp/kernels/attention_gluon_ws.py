@@ -1,0 +1,247 @@
+"""The warp-specialised Gluon sparse attention for Hopper (sm_90): one query per program, 64
+heads × 512, three warpgroups —
+
+- a loader (4 warps) gathers the query and then the kv tiles (64 rows each) by cp.async into two
+  shared buffers, and signals each tile on an mbarrier once every loader thread's copies landed;
+- two math warpgroups take the tiles in turn: warpgroup w computes s = q·kᵀ on tiles w, w+2, …
+  (one 64×64 score tile per warpgroup, no duplicated product), the two exchange their rows'
+  maxima through shared memory, each rounds its p to bf16 and publishes it, and each then
+  accumulates its half of the 512 output columns over both tiles of the round: its own p from
+  registers, the other's from shared memory.
+A buffer is freed when both math warpgroups have finished their p·v on it. The running sums stay
+per warpgroup (its own tiles' p) and are exchanged once at the end. The math is the Triton
+kernel's (kernels/attention.py; twin ops.attention.sparse_attention): the sink starts the running
+max and the running sum at e^0; −1 and out-of-range indices are masked; a row with no valid key
+gives 0.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dsv4cp.kernels.attention_gluon import (
+    BLOCK_N,
+    HAVE_GLUON,
+    compile_for_sm90,
+    launch_per_query,
+)
+
+# Registers a thread: the launch's limit, then what `setmaxnreg` gives each math warpgroup and
+# the loader (the first math warpgroup, Gluon's default partition, gets the rest:
+# 3·168 − 224 − 56 = 224). Triton 3.6 sm_90 compile: the loader's pointer tiles spill ~0.5 KB.
+MAXNREG = 168
+MATH_REGS = 224
+LOAD_REGS = 56
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+    )
+
+    from dsv4cp.kernels.attention_gluon import _cta_barrier, _issue_tile
+
+    @gluon.jit
+    def _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, q_ready, N, K, stride_qh,
+                stride_kvn, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+        """The query, then every tile into buffer (tile % 2), each announced on ready[buffer]."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
+        )
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _cta_barrier()
+        fence_async_shared()
+        mbarrier.arrive(q_ready, count=1)
+        for i in range(gl.cdiv(K, BN)):
+            b = i % 2
+            mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # tile i-2 consumed (or i < 2)
+            _issue_tile(kv_ptr, idx_row, kv_smem.index(b), i * BN, N, K, stride_kvn, BN, D, LD)
+            async_copy.commit_group()
+            # announced before the loader waits again: the math warpgroups need tile i to
+            # free tile i-1's partner buffer (waiting first would deadlock them at 3+ tiles)
+            async_copy.wait_group(0)
+            _cta_barrier()
+            fence_async_shared()
+            mbarrier.arrive(ready.index(b), count=1)
+
+    @gluon.jit
+    def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
+              q_ready, m_bar, p_bar, l_bar, N, K, qk_scale, stride_oh, WG: gl.constexpr,
+              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+        """Math warpgroup WG: s on tiles WG, WG+2, …; output columns [WG·D/2, (WG+1)·D/2)."""
+        HALF: gl.constexpr = D // 2
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
+        sink = gl.load(sink_ptr + gl.arange(0, H, layout=ROWS)) * 1.4426950408889634
+        m = sink  # the running max starts at the sink logit, the running sum at e^0
+        l_one = gl.where(sink > float("-inf"), 1.0, 0.0)
+        l_own = gl.zeros([H], gl.float32, ROWS)
+        o = gl.zeros([H, HALF], gl.float32, O_L)
+        s_zero = gl.zeros([H, BN], gl.float32, S_L)
+        n_tiles = gl.cdiv(K, BN)
+        mbarrier.wait(q_ready, 0)
+        for r in range(gl.cdiv(n_tiles, 2)):
+            ph = r & 1
+            mine = 2 * r + WG
+            other = 2 * r + 1 - WG
+            offs = mine * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+            idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+            ok = (idx >= 0) & (idx < N)
+            if mine < n_tiles:
+                mbarrier.wait(ready.index(WG), ph)
+                fence_async_shared()
+                kv = kv_smem.index(WG)
+                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+            else:
+                s = s_zero
+            s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
+            m_own = gl.max(s, 1)
+            m_smem.index(WG).store(m_own)
+            mbarrier.arrive(m_bar, count=1)
+            mbarrier.wait(m_bar, ph)
+            m_new = gl.maximum(m, gl.maximum(m_own, m_smem.index(1 - WG).load(ROWS)))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_own = l_own * alpha + gl.sum(p, 1)
+            l_one = l_one * alpha
+            m = m_new
+            pb = p.to(gl.bfloat16)
+            p_smem.index(WG).store(pb)
+            fence_async_shared()
+            mbarrier.arrive(p_bar, count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if mine < n_tiles:
+                v = kv_smem.index(WG).slice(WG * HALF, HALF, dim=1)
+                o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
+                mbarrier.arrive(free.index(WG), count=1)
+            mbarrier.wait(p_bar, ph)
+            if other < n_tiles:
+                mbarrier.wait(ready.index(1 - WG), ph)
+                v = kv_smem.index(1 - WG).slice(WG * HALF, HALF, dim=1)
+                o = warpgroup_mma(p_smem.index(1 - WG), v, o)
+                mbarrier.arrive(free.index(1 - WG), count=1)
+        l_smem.index(WG).store(l_own)
+        mbarrier.arrive(l_bar, count=1)
+        mbarrier.wait(l_bar, 0)
+        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
+        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
+        o = o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+        cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+        gl.store(out_row + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16))
+
+    @gluon.jit
+    def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
+                   p_smem, m_smem, l_smem, ready, free, bars, N, K, qk_scale, stride_qh,
+                   stride_kvn, stride_oh, H: gl.constexpr, D: gl.constexpr,
+                   BN: gl.constexpr):  # fmt: skip
+        """Roles 0 and 1: the math warpgroups; role 2: the loader (one signature for all)."""
+        if ROLE == 2:
+            _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, bars.index(0), N, K,
+                    stride_qh, stride_kvn, H, D, BN)  # fmt: skip
+        else:
+            _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
+                  free, bars.index(0), bars.index(1), bars.index(2), bars.index(3), N, K,
+                  qk_scale, stride_oh, ROLE, H, D, BN)  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
+    def _sparse_attention_ws_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, N, K, qk_scale,
+        stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, MATH_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+    ):  # fmt: skip
+        t = gl.program_id(0).to(gl.int64)
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.bfloat16)
+        KV_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+        P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16)
+        V_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], Q_SL)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], KV_SL)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, BN], P_SL)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)  # both math warpgroups read every tile
+        mbarrier.init(bars.index(0), count=1)  # q_ready
+        for i in gl.static_range(1, 4):
+            mbarrier.init(bars.index(i), count=2)  # m, p, l exchanges
+        q_row = q_ptr + t * stride_qt
+        idx_row = idx_ptr + t * stride_it
+        out_row = out_ptr + t * stride_ot
+        gl.warp_specialize(
+            [
+                (
+                    _partition,
+                    (
+                        gl.constexpr(ROLE),
+                        q_row,
+                        kv_ptr,
+                        sink_ptr,
+                        out_row,
+                        idx_row,
+                        q_smem,
+                        kv_smem,
+                        p_smem,
+                        m_smem,
+                        l_smem,
+                        ready,
+                        free,
+                        bars,
+                        N,
+                        K,
+                        qk_scale,
+                        stride_qh,
+                        stride_kvn,
+                        stride_oh,
+                        H,
+                        D,
+                        BN,
+                    ),
+                )
+                for ROLE in (0, 1, 2)
+            ],
+            [4, 4],
+            [MATH_REGS, LOAD_REGS],
+        )
+
+
+def sparse_attention_gluon_ws(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
+) -> Tensor:
+    """The warp-specialised Gluon twin of ops.attention.sparse_attention at the Flash shape."""
+    return launch_per_query(_sparse_attention_ws_kernel, q, kv, indices, sink, scale,
+                            BN=BLOCK_N, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
+                            maxnreg=MAXNREG)  # fmt: skip
+
+
+def compile_ws_for_hopper(
+    math_regs: int = MATH_REGS, load_regs: int = LOAD_REGS, maxnreg: int = MAXNREG
+) -> object:
+    """The warp-specialised kernel compiled for sm_90 without a GPU (tests)."""
+    return compile_for_sm90(
+        _sparse_attention_ws_kernel,
+        dict(num_warps=4, maxnreg=maxnreg),
+        BN=BLOCK_N,
+        MATH_REGS=math_regs,
+        LOAD_REGS=load_regs,
+    )
