@@ -24,7 +24,7 @@ ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
 def _key(name: str) -> str:
     """A JSON key for a kernel's ratio to FlashMLA: "gluon sm_90 (128, 1)" → gluon_sm_90_128x1."""
-    for a, b in ((" (", "_"), (", ", "x"), (")", ""), (" ", "_")):
+    for a, b in ((" (", "_"), (", ", "x"), (")", ""), (" ", "_"), ("-", "_")):
         name = name.replace(a, b)
     return f"{name}_over_flashmla"
 
@@ -90,6 +90,9 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
             from dsv4cp.kernels.attention_gluon_ws import sparse_attention_gluon_ws
 
             gluon["gluon ws sm_90"] = sparse_attention_gluon_ws
+            gluon["gluon ws sm_90 tile-order"] = functools.partial(
+                sparse_attention_gluon_ws, tile_order=True
+            )
         for name, fn in gluon.items():
             for label, ix in (("", idx), (", V4.1 -1 rows", idx_v41)):
                 out = fn(q, kv, ix, sink, scale)

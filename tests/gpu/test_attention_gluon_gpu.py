@@ -31,7 +31,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 H, D = 64, 512
-WS_SMOKE_TIMEOUT_S = 180  # compile and 4 launches; a hang is a deadlock in the mbarrier protocol
+WS_SMOKE_TIMEOUT_S = (
+    180  # two compiles and 8 launches; a hang is a deadlock in the mbarrier protocol
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,11 @@ def ws_terminates() -> None:
             q = torch.randn(3, 64, 512, device="cuda").bfloat16()
             kv = torch.randn(900, 512, device="cuda").bfloat16()
             idx = torch.randint(0, 900, (3, k), device="cuda", dtype=torch.int32)
-            sparse_attention_gluon_ws(q, kv, idx, torch.zeros(64, device="cuda"), 0.04)
-            torch.cuda.synchronize()
+            for order in (False, True):
+                sparse_attention_gluon_ws(
+                    q, kv, idx, torch.zeros(64, device="cuda"), 0.04, tile_order=order
+                )
+                torch.cuda.synchronize()
         """
     )
     try:
@@ -60,14 +65,14 @@ def ws_terminates() -> None:
 
 
 def _kernel(request: pytest.FixtureRequest, name: str):  # type: ignore[no-untyped-def]
-    if name == "ws":
+    if name.startswith("ws"):
         request.getfixturevalue("ws_terminates")
-        return sparse_attention_gluon_ws
+        return functools.partial(sparse_attention_gluon_ws, tile_order=name == "ws-tile-order")
     block_n, nbuf = (int(x) for x in name[2:].split("x"))
     return functools.partial(sparse_attention_gluon, config=(block_n, nbuf))
 
 
-NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws"]
+NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws", "ws-tile-order"]
 KERNELS = pytest.mark.parametrize("name", NAMES)
 
 

@@ -56,10 +56,10 @@ def _compiled(which: str, config: tuple[int, int] = ag.PIPELINED_CONFIG) -> obje
     if not ag.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     try:
-        if which == "ws":
+        if which.startswith("ws"):
             from dsv4cp.kernels import attention_gluon_ws
 
-            return attention_gluon_ws.compile_ws_for_hopper()
+            return attention_gluon_ws.compile_ws_for_hopper(tile_order=which == "ws-tile-order")
         return ag.compile_for_hopper(*config)
     except (ImportError, RuntimeError) as exc:  # no CUDA backend in this triton build
         if "backend" in str(exc).lower():
@@ -117,10 +117,11 @@ def test_no_shared_buffer_is_rewritten_under_the_other_warpgroups_wgmma(
     assert _unguarded_writes(re.sub(r"bar\.sync\s+0;", "", ptx))
 
 
-def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted() -> None:
+@pytest.mark.parametrize("which", ["ws", "ws-tile-order"])
+def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(which: str) -> None:
     from dsv4cp.kernels import attention_gluon_ws as ws
 
-    kernel = _compiled("ws")
+    kernel = _compiled(which)
     assert int(kernel.metadata.shared) <= HOPPER_SMEM
     ptx = kernel.asm["ptx"]
     shapes = _mma_shapes(ptx)

@@ -8,7 +8,10 @@ heads × 512, three warpgroups —
   maxima through shared memory, each rounds its p to bf16 and publishes it, and each then
   accumulates its half of the 512 output columns over both tiles of the round: its own p from
   registers, the other's from shared memory.
-A buffer is freed when both math warpgroups have finished their p·v on it. The running sums stay
+A buffer is freed when both math warpgroups have finished their p·v on it. By default each
+warpgroup does its own tile's p·v first (its p is in registers); with TILE_ORDER both do the
+round's tiles in order, so the first buffer is freed half a round sooner and its next tile's
+copy overlaps the second p·v (two variants to time: docs/performance.md §24). The running sums stay
 per warpgroup (its own tiles' p) and are exchanged once at the end. The math is the Triton
 kernel's (kernels/attention.py; twin ops.attention.sparse_attention): the sink starts the running
 max and the running sum at e^0; −1 and out-of-range indices are masked; a row with no valid key
@@ -75,7 +78,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
               q_ready, m_bar, p_bar, l_bar, N, K, qk_scale, stride_oh, WG: gl.constexpr,
-              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+              TILE_ORDER: gl.constexpr):  # fmt: skip
         """Math warpgroup WG: s on tiles WG, WG+2, …; output columns [WG·D/2, (WG+1)·D/2)."""
         HALF: gl.constexpr = D // 2
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -125,16 +129,28 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(p_bar, count=1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            if mine < n_tiles:
-                v = kv_smem.index(WG).slice(WG * HALF, HALF, dim=1)
-                o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
-                mbarrier.arrive(free.index(WG), count=1)
-            mbarrier.wait(p_bar, ph)
-            if other < n_tiles:
-                mbarrier.wait(ready.index(1 - WG), ph)
-                v = kv_smem.index(1 - WG).slice(WG * HALF, HALF, dim=1)
-                o = warpgroup_mma(p_smem.index(1 - WG), v, o)
-                mbarrier.arrive(free.index(1 - WG), count=1)
+            if TILE_ORDER:  # both read buffer 0's tile first: it is freed half a round sooner
+                mbarrier.wait(p_bar, ph)
+                for b in gl.static_range(2):
+                    if 2 * r + b < n_tiles:
+                        v = kv_smem.index(b).slice(WG * HALF, HALF, dim=1)
+                        if b == WG:
+                            o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
+                        else:
+                            mbarrier.wait(ready.index(b), ph)
+                            o = warpgroup_mma(p_smem.index(b), v, o)
+                        mbarrier.arrive(free.index(b), count=1)
+            else:  # its own tile first (its p is in registers), then the other's
+                if mine < n_tiles:
+                    v = kv_smem.index(WG).slice(WG * HALF, HALF, dim=1)
+                    o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
+                    mbarrier.arrive(free.index(WG), count=1)
+                mbarrier.wait(p_bar, ph)
+                if other < n_tiles:
+                    mbarrier.wait(ready.index(1 - WG), ph)
+                    v = kv_smem.index(1 - WG).slice(WG * HALF, HALF, dim=1)
+                    o = warpgroup_mma(p_smem.index(1 - WG), v, o)
+                    mbarrier.arrive(free.index(1 - WG), count=1)
         l_smem.index(WG).store(l_own)
         mbarrier.arrive(l_bar, count=1)
         mbarrier.wait(l_bar, 0)
@@ -149,7 +165,7 @@ if HAVE_GLUON:
     def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
                    p_smem, m_smem, l_smem, ready, free, bars, N, K, qk_scale, stride_qh,
                    stride_kvn, stride_oh, H: gl.constexpr, D: gl.constexpr,
-                   BN: gl.constexpr):  # fmt: skip
+                   BN: gl.constexpr, TILE_ORDER: gl.constexpr):  # fmt: skip
         """Roles 0 and 1: the math warpgroups; role 2: the loader (one signature for all)."""
         if ROLE == 2:
             _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, bars.index(0), N, K,
@@ -157,13 +173,14 @@ if HAVE_GLUON:
         else:
             _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
                   free, bars.index(0), bars.index(1), bars.index(2), bars.index(3), N, K,
-                  qk_scale, stride_oh, ROLE, H, D, BN)  # fmt: skip
+                  qk_scale, stride_oh, ROLE, H, D, BN, TILE_ORDER)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
     def _sparse_attention_ws_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, N, K, qk_scale,
         stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
-        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, MATH_REGS: gl.constexpr,
+        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, TILE_ORDER: gl.constexpr,
+        MATH_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr,
     ):  # fmt: skip
         t = gl.program_id(0).to(gl.int64)
@@ -216,6 +233,7 @@ if HAVE_GLUON:
                         H,
                         D,
                         BN,
+                        TILE_ORDER,
                     ),
                 )
                 for ROLE in (0, 1, 2)
@@ -226,22 +244,28 @@ if HAVE_GLUON:
 
 
 def sparse_attention_gluon_ws(
-    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, *, tile_order: bool = False
 ) -> Tensor:
-    """The warp-specialised Gluon twin of ops.attention.sparse_attention at the Flash shape."""
+    """The warp-specialised Gluon twin of ops.attention.sparse_attention at the Flash shape.
+    `tile_order`: each math warpgroup does a round's two p·v in tile order rather than its own
+    tile first, so the round's first buffer is freed half a round sooner (a variant to time)."""
     return launch_per_query(_sparse_attention_ws_kernel, q, kv, indices, sink, scale,
-                            BN=BLOCK_N, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
-                            maxnreg=MAXNREG)  # fmt: skip
+                            BN=BLOCK_N, TILE_ORDER=tile_order, MATH_REGS=MATH_REGS,
+                            LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)  # fmt: skip
 
 
 def compile_ws_for_hopper(
-    math_regs: int = MATH_REGS, load_regs: int = LOAD_REGS, maxnreg: int = MAXNREG
+    math_regs: int = MATH_REGS,
+    load_regs: int = LOAD_REGS,
+    maxnreg: int = MAXNREG,
+    tile_order: bool = False,
 ) -> object:
     """The warp-specialised kernel compiled for sm_90 without a GPU (tests)."""
     return compile_for_sm90(
         _sparse_attention_ws_kernel,
         dict(num_warps=4, maxnreg=maxnreg),
         BN=BLOCK_N,
+        TILE_ORDER=tile_order,
         MATH_REGS=math_regs,
         LOAD_REGS=load_regs,
     )
