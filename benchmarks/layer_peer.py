@@ -32,7 +32,8 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
 - components per layer: the indexer step (the layer's fused node, the unfused chunks it
   replaced: `mqa_logits_cached` + selection, peer), sparse attention on the layer's own inputs
   (the layer's routed call = FlashMLA over its workspace incl. building it; the Triton cached
-  kernel on the caches; the dense Triton kernel and FlashMLA on pre-decoded dense rows).
+  kernel on the caches; the dense Triton kernel, FlashMLA and, on Hopper, the Gluon sm_90
+  kernel on pre-decoded dense rows).
 - Layers run in order on one context, so each finds what the earlier ones left in
   `ctx.cross.attention` as in the model's forward: the SWA store's rows, the window's rows, a
   reuse layer its top-k's compressed rows and the FlashMLA workspace of its group's first layer
@@ -101,6 +102,7 @@ from dsv4cp import ops, routing
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import AttentionMemo, ForwardContext
 from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
+from dsv4cp.kernels.attention_gluon import gluon_attention_available, sparse_attention_gluon
 from dsv4cp.layers import attention as layer_module
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.layers.linear import keep_dequantized_weights
@@ -233,6 +235,12 @@ class Run:
                 lambda: sglang_peer.flashmla_sparse_attention(q, kv, idx, sink, scale)
             )[0]
             row["triton_vs_flashmla"] = row["attn_flashmla_ms"] / row["attn_triton_ms"]
+        if gluon_attention_available(q):  # the Gluon sm_90 kernel on the same decoded rows
+            row["attn_gluon_ms"] = self.timer(
+                lambda: sparse_attention_gluon(q, kv, idx, sink, scale)
+            )[0]
+            if self.flashmla:
+                row["gluon_vs_flashmla"] = row["attn_flashmla_ms"] / row["attn_gluon_ms"]
         if not role.index_source:
             return
         st = rec["idx"]

@@ -58,6 +58,7 @@ def targets(rows: list[dict[str, Any]], cp_rows: list[dict[str, Any]]) -> list[d
         if case in ("cold16k", "cold64k"):
             add("dsv4cp / floor", case, role, r.get("dsv4cp_over_floor"), 1.5, False)
         add("Triton / FlashMLA speed", case, role, r.get("triton_vs_flashmla"), 0.8, True)
+        add("Gluon / FlashMLA speed", case, role, r.get("gluon_vs_flashmla"), 0.8, True)
     for r in cp_rows:
         if "rank_over_ideal" in r:
             goal = 1.12 if r["cp"] == 4 else 1.15
@@ -85,7 +86,7 @@ def report(
         "case", "layer", "role", "dsv4cp_ms", "peer_ms", "floor_ms", "speedup_vs_peer",
         "dsv4cp_over_floor", "gemm_ms", "idx_layer_ms", "idx_unfused_ms", "idx_peer_ms",
         "attn_layer_ms", "attn_triton_cached_ms", "attn_triton_ms", "attn_flashmla_ms",
-        "triton_vs_flashmla", "dsv4cp_path", "error",
+        "triton_vs_flashmla", "attn_gluon_ms", "gluon_vs_flashmla", "dsv4cp_path", "error",
     ]  # fmt: skip
     dims = "V4.1-Flash dims (d 5120, 64 heads x 512, index 32 x 128, top-k 512, window 128)"
     gpu = device_info().get("gpu_name", "cpu")

@@ -171,6 +171,14 @@ _TABLE = (
         "run; auto/on: FlashMLA where installed and the shape fits",
     ),
     EnvVar(
+        "DSV4CP_GLUON_ATTENTION",
+        _choice("on", "off", "1", "0", "true", "false", "yes", "no"),
+        "off",
+        "on (or 1/true/yes): where FlashMLA does not run, the Gluon sm_90 sparse attention over "
+        "FlashMLA's bf16 workspace (Hopper, 64 heads x 512, bf16); off: the Triton cached kernel "
+        "there (docs/performance.md §24: not yet measured at the layer)",
+    ),
+    EnvVar(
         "DSV4CP_FLASHMLA_WORKSPACE_MIB",
         _positive_mib,
         None,

@@ -10,6 +10,11 @@ shorter rows are padded with -1 here), -1 or ≥ N = skip; attn_sink fp32 [H]. O
 the legacy kernels (`use_legacy=True`); on SM100 the current ones. The math is the op's: the sink
 adds e^{sink} to the softmax denominator with no value vector.
 
+Where FlashMLA does not run, `DSV4CP_GLUON_ATTENTION=on` (opt-in; unmeasured at the layer,
+docs/performance.md §24) puts the Gluon sm_90 kernel (`kernels/attention_gluon.py`) in its place
+on Hopper at 64 heads × 512: it takes what FlashMLA takes, one dense bf16 source and indices,
+so it reads the same workspace.
+
 `sparse_attention` takes the dense bf16 rows attention reads. `sparse_attention_cached` (the
 layer's call, routed here) reads the caches in their storage formats: per chunk of query rows it
 decodes the rows the chunk's indices name, each once, into a bf16 workspace of static size (no
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -32,6 +38,7 @@ from torch import Tensor
 
 from dsv4cp import env_vars
 from dsv4cp.kernels import attention as triton_attention
+from dsv4cp.kernels import attention_gluon
 from dsv4cp.kernels import workspace_rows as k_rows
 from dsv4cp.kernels._triton import interpreting
 from dsv4cp.kernels.kv_decode import decode_gather
@@ -41,6 +48,7 @@ from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.workspace_rows import WorkspaceMemo, same_rows
 
 ENV_FLAG = "DSV4CP_FLASHMLA"
+GLUON_ENV = "DSV4CP_GLUON_ATTENTION"
 HEADS = (64, 128)
 HEAD_DIM = 512
 TOPK_ALIGN = 64
@@ -96,6 +104,30 @@ def _query_misfit(q: Tensor) -> str | None:
     return None
 
 
+def gluon_misfit(q: Tensor) -> str | None:
+    """Why the Gluon sm_90 kernel cannot stand in for FlashMLA here, or None when it can."""
+    if env_vars.read(GLUON_ENV) not in ("on", "1", "true", "yes"):
+        return f"{GLUON_ENV} is off"
+    if not attention_gluon.HAVE_GLUON:
+        return "this Triton has no Gluon"
+    cap = _capability(q)
+    if cap is None or cap[0] != 9:
+        return f"the Gluon kernel needs SM90, got {'no CUDA device' if cap is None else cap}"
+    shape = (attention_gluon.HEADS, attention_gluon.HEAD_DIM)
+    if q.dim() != 3 or tuple(q.shape[1:]) != shape:
+        return f"the Gluon kernel takes [T, {shape[0]}, {shape[1]}], got {tuple(q.shape)}"
+    if q.dtype != torch.bfloat16:
+        return f"the Gluon kernel takes bf16 q, got {q.dtype}"
+    return None
+
+
+def _stand_in(why: str, q: Tensor) -> str | None:
+    """The Gluon backend's name where FlashMLA does not run (`why`) and Gluon can, else None."""
+    if gluon_misfit(q) is not None:
+        return None
+    return f"Gluon sm_90 kernel ({GLUON_ENV}=on; FlashMLA: {why})"
+
+
 def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str | None:
     """Why FlashMLA's sparse prefill cannot take these inputs, or None when it can."""
     why = _query_misfit(q)
@@ -115,7 +147,8 @@ def sparse_attention_backend(q: Tensor, kv: Tensor, indices: Tensor, sink: Tenso
         mod = flash_mla_module()
         assert mod is not None
         return f"FlashMLA sparse prefill (sgl-flash-mla {_version(mod)})"
-    return f"Triton kernel ({why})"
+    stand_in = _stand_in(why, q) if kv.dtype == torch.bfloat16 else None
+    return stand_in or f"Triton kernel ({why})"
 
 
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -123,9 +156,18 @@ def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale
     triton_attention.check_sparse_attention(q, kv, indices, sink)
     backend = sparse_attention_backend(q, kv, indices, sink)
     _say_once(f"sparse attention: {backend}")
-    if not backend.startswith("FlashMLA"):
+    if backend.startswith("Triton"):
         return triton_attention.sparse_attention(q, kv, indices, sink, scale)
-    return _flashmla(q, kv, indices, sink, scale)
+    return _workspace_kernel(backend)(q, kv, indices, sink, scale)
+
+
+def _workspace_kernel(backend: str) -> Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]:
+    """The kernel over one dense bf16 source that `backend` names: FlashMLA or the Gluon one."""
+    return _flashmla if backend.startswith("FlashMLA") else _gluon
+
+
+def _gluon(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
+    return attention_gluon.sparse_attention_gluon(q, kv, indices, sink, scale)
 
 
 def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -170,6 +212,9 @@ def sparse_attention_cached_backend(q: Tensor) -> str:
         mod = flash_mla_module()
         assert mod is not None
         return f"FlashMLA sparse prefill over a bf16 workspace (sgl-flash-mla {_version(mod)})"
+    stand_in = _stand_in(why, q)
+    if stand_in is not None:
+        return f"{stand_in} over a bf16 workspace"
     return f"Triton cached kernel ({why})"
 
 
@@ -203,11 +248,12 @@ def sparse_attention_cached(
     )
     backend = sparse_attention_cached_backend(q)
     _say_once(f"sparse attention: {backend}")
-    if not backend.startswith("FlashMLA"):
+    if backend.startswith("Triton"):
         return triton_attention.sparse_attention_cached(
             q, swa, swa_indices, comp, comp_indices, sink, scale, swa_format, comp_format, quant
         )
-    check_quant_mode(quant)  # FlashMLA's order is one for both modes (docs/performance.md)
+    attend = _workspace_kernel(backend)
+    check_quant_mode(quant)  # FlashMLA's order (and Gluon's) is one for both modes
     sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
                                 workspace_rows, comp_rows)  # fmt: skip
     d = q.shape[2]
@@ -216,11 +262,11 @@ def sparse_attention_cached(
         kv, idx = build_workspace(
             sources, slice(0, q.shape[0]), d, torch.bfloat16, memo=workspace_memo
         )
-        return _flashmla(q, kv, idx, sink, scale)
+        return attend(q, kv, idx, sink, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for a, b in spans:
         kv, idx = build_workspace(sources, slice(a, b), d, torch.bfloat16)
-        out[a:b] = _flashmla(q[a:b], kv, idx, sink, scale)
+        out[a:b] = attend(q[a:b], kv, idx, sink, scale)
     return out
 
 
