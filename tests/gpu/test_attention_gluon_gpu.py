@@ -3,8 +3,9 @@ kernels/attention_gluon_ws.py) on a Hopper GPU against their twin,
 ops.attention.sparse_attention, and against the Triton kernel, with the Triton kernel's
 tolerances (docs/performance.md §1, *Tolerances*): max |Δ| < 2e-2 and ‖Δ‖ / ‖ops‖ < 1e-2 (p is
 rounded to bf16 for p·v), exact zeros for rows with no valid index. The warp-specialised kernel
-first runs in a child process with a time limit (`ws_terminates`). The CPU checks (compile for
-sm_90, the layouts, the argument errors): tests/kernels/test_attention_gluon.py."""
+first runs in a child process with a time limit (`ws_terminates`). The last test runs the routed
+path (`DSV4CP_GLUON_ATTENTION=on`: the Gluon kernel over FlashMLA's workspace). The CPU checks
+(compile for sm_90, the layouts, the argument errors): tests/kernels/test_attention_gluon.py."""
 
 from __future__ import annotations
 
@@ -154,3 +155,31 @@ def test_empty_batch_and_strided_inputs(request, name: str) -> None:
     wide[:, :D] = kv
     out = kernel(q, wide[:, :D], idx.long(), sink, 0.05)
     _close(out, ops.sparse_attention(q, kv, idx, sink, 0.05))
+
+
+def test_the_routed_gluon_path_over_the_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DSV4CP_GLUON_ATTENTION=on` with FlashMLA off: the layer's call over fp8 / fp4 caches
+    runs the Gluon kernel over the bf16 workspace, equals the twin and the Triton cached kernel,
+    and replays in a CUDA graph over new cache contents."""
+    _needs_gluon()
+    from dsv4cp.kernels import flashmla
+    from dsv4cp.ops.kv_format import encode_rows
+    from tests.gpu.test_fast_path import FP4, FP8, _attention_inputs
+
+    monkeypatch.setenv(flashmla.ENV_FLAG, "off")
+    monkeypatch.setenv(flashmla.GLUON_ENV, "on")
+    q, swa, win, comp, top, sink = _attention_inputs(seed=11)
+    assert flashmla.sparse_attention_cached_backend(q).startswith("Gluon sm_90 kernel")
+    args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, "none")
+    out = flashmla.sparse_attention_cached(*args)
+    assert torch.all(out[1] == 0), "a row with no key gives 0"
+    _close(out, ops.sparse_attention_cached(*args))
+    _close(out, flashmla.triton_attention.sparse_attention_cached(*args))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashmla.sparse_attention_cached(*args)
+    swa.copy_(encode_rows(torch.randn(swa.shape[0], 512, device="cuda"), FP8, dense_dtype=q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, flashmla.sparse_attention_cached(*args))
