@@ -59,11 +59,22 @@ NUM_WARPS = 8
 _LOG2E = 1.4426950408889634
 
 
+def kernel_misfit(q: Tensor, capability: tuple[int, int] | None) -> str | None:
+    """Why these kernels cannot run for `q` on a device of `capability` (None: no CUDA device),
+    or None: they need Gluon, a Hopper GPU and the Flash shape."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if capability is None or capability[0] != 9:
+        return f"the Gluon kernel needs SM90, got {capability or 'no CUDA device'}"
+    if q.dim() != 3 or tuple(q.shape[1:]) != (HEADS, HEAD_DIM):
+        return f"the Gluon kernel takes [T, {HEADS}, {HEAD_DIM}], got {tuple(q.shape)}"
+    return None
+
+
 def gluon_attention_available(q: Tensor) -> bool:
     """True where this kernel runs: Gluon importable, a Hopper GPU, the Flash shape."""
-    if not HAVE_GLUON or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return q.dim() == 3 and q.shape[1] == HEADS and q.shape[2] == HEAD_DIM
+    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    return kernel_misfit(q, cap) is None
 
 
 if HAVE_GLUON:
@@ -78,6 +89,20 @@ if HAVE_GLUON:
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
         ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kvn + cols[None, :]
         async_copy.async_copy_global_to_shared(kv_buf, ptrs, mask=ok[:, None])
+
+    @gluon.jit
+    def _sink_start(sink_ptr, H: gl.constexpr, ROWS: gl.constexpr):
+        """The running max starts at the sink logit (base 2), the running sum at e^0 (0 for a
+        −∞ sink): (m, l)."""
+        sink = gl.load(sink_ptr + gl.arange(0, H, layout=ROWS)) * 1.4426950408889634
+        return sink, gl.where(sink > float("-inf"), 1.0, 0.0)
+
+    @gluon.jit
+    def _rescale(s, m, m_new):
+        """One online-softmax step in base 2 from the running max m to m_new: (alpha, p). A row
+        whose max is still −∞ gets 0 for both, not NaN."""
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return gl.exp2(m - m_use), gl.exp2(s - m_use[:, None])
 
     @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
     def _sparse_attention_gluon_kernel(
@@ -112,9 +137,7 @@ if HAVE_GLUON:
 
         s_rows: gl.constexpr = gl.SliceLayout(1, S_L)
         s_cols: gl.constexpr = gl.SliceLayout(0, S_L)
-        sink = gl.load(sink_ptr + gl.arange(0, H, layout=s_rows)) * 1.4426950408889634
-        m = sink  # the running max starts at the sink logit, the running sum at e^0
-        l_one = gl.where(sink > float("-inf"), 1.0, 0.0)
+        m, l_one = _sink_start(sink_ptr, H, s_rows)
         l_part = gl.zeros([H, BN], gl.float32, S_L)
         acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, O_L))  # p·v's, carried in flight
         s_zero = gl.zeros([H, BN], gl.float32, S_L)
@@ -139,9 +162,7 @@ if HAVE_GLUON:
             ok = (idx >= 0) & (idx < N)
             s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_use)
-            p = gl.exp2(s - m_use[:, None])
+            alpha, p = _rescale(s, m, m_new)
             l_part = l_part * alpha[:, None] + p
             l_one = l_one * alpha
             m = m_new

@@ -46,7 +46,7 @@ if HAVE_GLUON:
         warpgroup_mma,
     )
 
-    from dsv4cp.kernels.attention_gluon import _cta_barrier, _issue_tile
+    from dsv4cp.kernels.attention_gluon import _cta_barrier, _issue_tile, _rescale, _sink_start
 
     @gluon.jit
     def _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, q_ready, N, K, stride_qh,
@@ -90,9 +90,7 @@ if HAVE_GLUON:
         )
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
-        sink = gl.load(sink_ptr + gl.arange(0, H, layout=ROWS)) * 1.4426950408889634
-        m = sink  # the running max starts at the sink logit, the running sum at e^0
-        l_one = gl.where(sink > float("-inf"), 1.0, 0.0)
+        m, l_one = _sink_start(sink_ptr, H, ROWS)
         l_own = gl.zeros([H], gl.float32, ROWS)
         o = gl.zeros([H, HALF], gl.float32, O_L)
         s_zero = gl.zeros([H, BN], gl.float32, S_L)
@@ -118,9 +116,7 @@ if HAVE_GLUON:
             mbarrier.arrive(m_bar, count=1)
             mbarrier.wait(m_bar, ph)
             m_new = gl.maximum(m, gl.maximum(m_own, m_smem.index(1 - WG).load(ROWS)))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_use)
-            p = gl.exp2(s - m_use[:, None])
+            alpha, p = _rescale(s, m, m_new)
             l_own = l_own * alpha + gl.sum(p, 1)
             l_one = l_one * alpha
             m = m_new

@@ -108,17 +108,10 @@ def gluon_misfit(q: Tensor) -> str | None:
     """Why the Gluon sm_90 kernel cannot stand in for FlashMLA here, or None when it can."""
     if env_vars.read(GLUON_ENV) not in ("on", "1", "true", "yes"):
         return f"{GLUON_ENV} is off"
-    if not attention_gluon.HAVE_GLUON:
-        return "this Triton has no Gluon"
-    cap = _capability(q)
-    if cap is None or cap[0] != 9:
-        return f"the Gluon kernel needs SM90, got {'no CUDA device' if cap is None else cap}"
-    shape = (attention_gluon.HEADS, attention_gluon.HEAD_DIM)
-    if q.dim() != 3 or tuple(q.shape[1:]) != shape:
-        return f"the Gluon kernel takes [T, {shape[0]}, {shape[1]}], got {tuple(q.shape)}"
-    if q.dtype != torch.bfloat16:
+    why = attention_gluon.kernel_misfit(q, _capability(q))
+    if why is None and q.dtype != torch.bfloat16:
         return f"the Gluon kernel takes bf16 q, got {q.dtype}"
-    return None
+    return why
 
 
 def _stand_in(why: str, q: Tensor) -> str | None:
