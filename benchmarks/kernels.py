@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gluon-ws",
         action="store_true",
-        help="attn: also time the warp-specialised Gluon kernel (unproven past two tiles)",
+        help="attn: also time the warp-specialised Gluon kernels (correct, no faster: §25)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"

@@ -17,8 +17,9 @@ index source), 3 (ratio-2 top-k reuse), 20 (ratio-1 kv + candidate source), 21 (
   compressed and index rows), best of the serial and multistream executors, each a CUDA-graph
   replay (eager where capture fails). Its ops come through `dsv4cp.routing`: sparse attention is
   FlashMLA's sparse prefill over the chunk-bounded bf16 workspace where `flash_mla` imports
-  (`kernels/flashmla.py`; else the Triton cached kernel), the index node the fused logits +
-  running top-k over the decoded index-K workspace (`kernels/indexer_topk_cached.mqa_topk_cached`).
+  (`kernels/flashmla.py`; else the Gluon kernel on Hopper, else the Triton kernel over a
+  workspace), the index node the fused logits + running top-k over the decoded index-K
+  workspace (`kernels/indexer_topk_cached.mqa_topk_cached`).
 - peer: the same layer object with its indexer node replaced by SGLang's torch indexer (bf16
   einsum scores, torch.topk; torch candidate publish / consume) and its sparse attention by
   FlashMLA (`flash_mla_sparse_fwd`, legacy SM90 kernels), eager as SGLang runs it, plus the
@@ -96,6 +97,7 @@ from benchmarks.layer_peer_setup import (
     sweep_fused,
     triton_attention,
     triton_cached,
+    triton_over_workspace,
     unfused_logits_topk,
 )
 from dsv4cp import ops, routing
@@ -228,6 +230,9 @@ class Run:
         )[0]
         if not self.smoke:
             row["attn_triton_cached_ms"] = self.timer(lambda: triton_cached(*cached))[0]
+            row["attn_triton_ws_ms"] = self.timer(
+                lambda: triton_over_workspace(*cached, **cached_kw)
+            )[0]
         attn_triton = routing.sparse_attention if self.smoke else triton_attention
         row["attn_triton_ms"] = self.timer(lambda: attn_triton(q, kv, idx, sink, scale))[0]
         if self.flashmla:

@@ -85,8 +85,9 @@ def report(
     cols = [
         "case", "layer", "role", "dsv4cp_ms", "peer_ms", "floor_ms", "speedup_vs_peer",
         "dsv4cp_over_floor", "gemm_ms", "idx_layer_ms", "idx_unfused_ms", "idx_peer_ms",
-        "attn_layer_ms", "attn_triton_cached_ms", "attn_triton_ms", "attn_flashmla_ms",
-        "triton_vs_flashmla", "attn_gluon_ms", "gluon_vs_flashmla", "dsv4cp_path", "error",
+        "attn_layer_ms", "attn_triton_cached_ms", "attn_triton_ws_ms", "attn_triton_ms",
+        "attn_flashmla_ms", "triton_vs_flashmla", "attn_gluon_ms", "gluon_vs_flashmla",
+        "dsv4cp_path", "error",
     ]  # fmt: skip
     dims = "V4.1-Flash dims (d 5120, 64 heads x 512, index 32 x 128, top-k 512, window 128)"
     gpu = device_info().get("gpu_name", "cpu")

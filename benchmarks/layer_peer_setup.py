@@ -327,6 +327,22 @@ def triton_cached(*a: Any) -> torch.Tensor:
     return sparse_attention_cached(*a)
 
 
+def triton_over_workspace(*a: Any, **kw: Any) -> torch.Tensor:
+    """The portable path where neither FlashMLA nor Gluon runs (`kernels/flashmla`, "Triton
+    kernel over a workspace"): the rows decoded once into a workspace (one chunk, its build
+    timed with it), then the Triton cached kernel's math over it — against the same kernel
+    decoding on load (`attn_triton_cached_ms`, docs/performance.md §25)."""
+    from dsv4cp.kernels import flashmla
+
+    q, swa, win, comp, comp_idx, sink, scale, swa_fmt, comp_fmt = a[:9]
+    quant = a[9] if len(a) > 9 else "none"
+    sources = flashmla.workspace_sources(
+        swa, win, comp, comp_idx, swa_fmt, comp_fmt, kw.get("workspace_rows"), kw.get("comp_rows")
+    )
+    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), q.shape[2], q.dtype)
+    return flashmla.triton_over_workspace(win.shape[1], quant)(q, kv, idx, sink, scale)
+
+
 def attention_backend(q: torch.Tensor) -> str:
     """Which kernel the routed sparse attention runs for `q` (named in the rows)."""
     if not q.is_cuda:

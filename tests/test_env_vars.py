@@ -32,7 +32,10 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
     "DSV4CP_SIDE_STREAMS": ({"pool": "pool", "External": "external"}, ["dedicated"]),
     "DSV4CP_FP8_GEMM": ({"cublas": "cublas", "TRITON": "triton"}, ["cutlass", "fused"]),
     "DSV4CP_FLASHMLA": ({"off": "off", "0": "0", "auto": "auto", "on": "on"}, ["of", "legacy"]),
-    "DSV4CP_GLUON_ATTENTION": ({"on": "on", " OFF ": "off", "1": "1"}, ["auto", "gluon"]),
+    "DSV4CP_GLUON_ATTENTION": (
+        {"on": "on", " OFF ": "off", "1": "1", "Auto": "auto"},
+        ["gluon", "2"],
+    ),
     "DSV4CP_FLASHMLA_WORKSPACE_MIB": (
         {"1100": 1100.0, "0.5": 0.5},
         ["abc", "0", "-5", "nan", "inf", "1e999"],

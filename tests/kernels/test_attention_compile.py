@@ -12,7 +12,12 @@ HOPPER_SMEM = 232448  # bytes per block, sm_90 (227 KB)
 
 
 def _shared_bytes(
-    swa_fmt: int, comp_fmt: int, qat: bool, stages: int, ones: tuple[str, ...] = ()
+    swa_fmt: int,
+    comp_fmt: int,
+    qat: bool,
+    stages: int,
+    ones: tuple[str, ...] = (),
+    one_list: bool = False,
 ) -> int:
     """The kernel's shared bytes; `ones`: runtime ints compiled as the constant 1 (what Triton's
     JIT does to a 1 unless the parameter is `do_not_specialize`)."""
@@ -28,7 +33,8 @@ def _shared_bytes(
     types = ["*bf16", rows.get(swa_fmt, "*u8"), "*i32", rows.get(comp_fmt, "*u8"), "*i32"]
     types += ["*fp32", "*bf16"] + ["i32"] * 5 + ["fp32"] + ["i32"] * 8
     const = dict(D=512, D_PAD=512, BLOCK_H=64, BLOCK_N=DEFAULT_CONFIG[0], SWA_FMT=swa_fmt,
-                 COMP_FMT=comp_fmt, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False)  # fmt: skip
+                 COMP_FMT=comp_fmt, UPCAST=False, DOT_PREC="tf32", QAT=qat, ONE_LIST=one_list,
+                 RNE=False)  # fmt: skip
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
     for name in ones:
         sig[name] = "constexpr"
@@ -55,12 +61,18 @@ def _shared_bytes(
     [("dense", "dense"), ("fp8_ue8m0_32", "dense"), ("fp8_ue8m0_32", "fp4_e4m3_16")],
     ids=["dense", "fp8-swa-only", "fp8-fp4"],
 )
-def test_launch_config_fits_hopper_shared_memory(swa: str, comp: str, qat: bool) -> None:
+@pytest.mark.parametrize("one_list", [False, True], ids=["two-lists", "one-list"])
+def test_launch_config_fits_hopper_shared_memory(
+    swa: str, comp: str, qat: bool, one_list: bool
+) -> None:
+    """`one_list`: no compressed list (SWA-only layers; the workspace route in qat), where qat
+    walks the one list like the dense kernel and keeps two stages."""
     from dsv4cp.kernels.attention import DEFAULT_CONFIG, FORMAT_CODES, pipeline_stages
 
     s, c = FORMAT_CODES[swa], FORMAT_CODES[comp]
-    stages = pipeline_stages(DEFAULT_CONFIG[2], s, c, qat)
-    assert _shared_bytes(s, c, qat, stages) <= HOPPER_SMEM
+    stages = pipeline_stages(DEFAULT_CONFIG[2], s, c, qat, one_list)
+    assert stages == (1 if qat and swa == comp == "dense" and not one_list else 2)
+    assert _shared_bytes(s, c, qat, stages, one_list=one_list) <= HOPPER_SMEM
 
 
 def test_the_refused_config_is_what_the_stage_rule_avoids() -> None:
@@ -68,19 +80,42 @@ def test_the_refused_config_is_what_the_stage_rule_avoids() -> None:
     assert _shared_bytes(0, 0, True, 2) > HOPPER_SMEM
 
 
-def test_counts_of_one_are_not_compiled_as_constants() -> None:
-    """A launch with one index per query (or one cache row) must not specialise the count to a
-    constant: Triton 3.6 then pipelines the one-trip loop into 262 KB of shared memory at Flash
-    dims (the H100 refused such a launch). The kernel's JIT keeps these counts runtime values."""
-    pytest.importorskip("triton")
-    from dsv4cp.kernels.attention import _sparse_attention_kernel
+def test_no_count_of_one_pads_where_a_one_trip_loop_would_be_compiled() -> None:
+    """Triton's JIT compiles an int argument of 1 as a constant; a one-index list made a one-trip
+    loop that Triton 3.6 pipelined into 262 KB of shared memory at Flash dims (the H100 refused
+    that launch). The launcher appends a skipped −1 to such a list instead of giving up the
+    counts' divisibility specialisation (which the cached kernel's speed needs, §25); the row
+    counts only bound masks and are never specialised."""
+    import torch
 
-    counts = ("N_SWA", "N_COMP", "NUM_SWA_IDX", "NUM_COMP_IDX")
+    from dsv4cp.kernels.attention import _sparse_attention_kernel, no_count_of_one
+
     kept = {p.name for p in _sparse_attention_kernel.params if p.do_not_specialize}
-    assert set(counts) <= kept
-    # witness: one index per query, its count compiled as 1, does not fit (262,400 B)
-    from dsv4cp.kernels.attention import DEFAULT_CONFIG, pipeline_stages
+    assert kept == {"N_SWA", "N_COMP"}
+    one = torch.tensor([[5], [-1]], dtype=torch.int32)
+    none = one[:, :0]
+    pad = torch.tensor([[5, -1], [-1, -1]], dtype=torch.int32)
+    for qat in (False, True):
+        s, c = no_count_of_one(one, none, qat)
+        assert torch.equal(s, pad) and c.shape == (2, 0)
+        s, c = no_count_of_one(one, one, qat)
+        assert torch.equal(c, pad)  # the list's end: no index moves
+        # qat walks 64-key blocks over [SWA | compressed]: a column between would move them
+        assert torch.equal(s, one if qat else pad)
+    wide = torch.zeros(2, 3, dtype=torch.int32)
+    assert no_count_of_one(wide, none, False)[0] is wide
+
+
+def test_a_count_of_one_is_what_overflows_and_qat_keeps_it_fitting() -> None:
+    """Witness: the dense kernel with its SWA count compiled as 1 does not fit (262,400 B), the
+    runtime count does. The one 1 the launcher still passes, qat's SWA count before a compressed
+    list, is part of the concatenated loop's trip count and fits for every format pair."""
+    from dsv4cp.kernels.attention import DEFAULT_CONFIG, FORMAT_CODES, pipeline_stages
 
     stages = pipeline_stages(DEFAULT_CONFIG[2], 0, 0, False)
     assert _shared_bytes(0, 0, False, stages) <= HOPPER_SMEM
     assert _shared_bytes(0, 0, False, stages, ones=("NUM_SWA_IDX",)) > HOPPER_SMEM
+    for swa, comp in (("dense", "dense"), ("fp8_ue8m0_32", "fp4_e4m3_16")):
+        s, c = FORMAT_CODES[swa], FORMAT_CODES[comp]
+        stages = pipeline_stages(DEFAULT_CONFIG[2], s, c, True)
+        assert _shared_bytes(s, c, True, stages, ones=("NUM_SWA_IDX",)) <= HOPPER_SMEM

@@ -55,6 +55,45 @@ def test_attention_reads_quantized_caches(quant: str) -> None:
     assert torch.equal(dense, out)
 
 
+@pytest.mark.parametrize("quant", ["none", "qat"])
+def test_the_portable_route_over_a_workspace_is_the_cached_kernel(
+    quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither FlashMLA (not installed here) nor Gluon (off): the routed call decodes the rows
+    into a workspace and runs the cached kernel's math over it — bit-identical to the kernel on
+    the caches (the decode is exact, as the dense case above shows), in one call or in chunks,
+    and under CUDA-graph replay."""
+    from dsv4cp.kernels import flashmla
+
+    monkeypatch.setattr(flashmla, "_module", [None])
+    monkeypatch.setattr(flashmla, "_said", set())
+    monkeypatch.delenv(flashmla.ENV_FLAG, raising=False)
+    monkeypatch.setenv(flashmla.GLUON_ENV, "off")
+    q, swa_v, comp_v, win, top, sink = _attention_inputs(200, 1)
+    swa = encode_rows(swa_v, "fp8_ue8m0_32", dense_dtype=torch.bfloat16)
+    comp = encode_rows(comp_v, "fp4_e4m3_16", dense_dtype=torch.bfloat16)
+    args = (q, swa, win, comp, top, sink, 512**-0.5, "fp8_ue8m0_32", "fp4_e4m3_16", quant)
+    assert flashmla.sparse_attention_cached_backend(q).startswith(flashmla.TRITON_OVER_WORKSPACE)
+    want = sparse_attention_cached(*args)
+    assert torch.equal(flashmla.sparse_attention_cached(*args), want)
+    no_comp = (q, swa, win, None, None, sink, 512**-0.5, "fp8_ue8m0_32", "dense", quant)
+    assert torch.equal(
+        flashmla.sparse_attention_cached(*no_comp), sparse_attention_cached(*no_comp)
+    )
+    graph = torch.cuda.CUDAGraph()
+    flashmla.sparse_attention_cached(*args)  # warm: compiled before capture
+    with torch.cuda.graph(graph):
+        out = flashmla.sparse_attention_cached(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", 1)  # chunks of MIN_CHUNK_ROWS
+    monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 64)
+    assert len(flashmla.chunks(200, flashmla.workspace_sources(*args[1:5], *args[7:9], None),
+                               1024)) > 1  # fmt: skip
+    assert torch.equal(flashmla.sparse_attention_cached(*args), want)
+
+
 def test_index_logits_read_fp4_keys() -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
     t, h, d, n = 512, 32, 128, 20000

@@ -27,6 +27,7 @@ CASES = [
     "attention_decodes_every_code_exactly",
     "attention_matches_twin",
     "attention_bf16",
+    "attention_over_a_workspace",
     "logits_match_twin",
     "logits_edges",
 ]
@@ -152,6 +153,18 @@ def _cases():  # noqa: C901 - one namespace of small check functions
                 no_comp = (q, swa, si, None, None, sink, 0.125, sf, cf, quant)
                 r = rel(sparse_attention_cached(*no_comp), ops.sparse_attention_cached(*no_comp))
                 assert r < tol, (quant, sf, "no comp", r)
+        # one index in a list: the launcher appends a skipped -1 where a count of 1 would be a
+        # one-trip loop's (`no_count_of_one`); both numerics, with and without compressed keys
+        for k_swa, k_comp in ((1, 1), (1, 90), (16, 1)):
+            q1, swa_v1, comp_v1, si1, ci1, sink1 = _inputs(5, 4, 64, 40, 300, k_swa, k_comp, 5)
+            swa = encode_rows(swa_v1, "fp8_ue8m0_32", dense_dtype=torch.float32)
+            comp = encode_rows(comp_v1, "fp4_e4m3_16", dense_dtype=torch.float32)
+            for quant, tol in (("none", 1e-5), ("qat", 1e-4)):
+                for c, c_idx in ((comp, ci1), (None, None)):
+                    args = (q1, swa, si1, c, c_idx, sink1, 0.125, "fp8_ue8m0_32", "fp4_e4m3_16",
+                            quant)  # fmt: skip
+                    r = rel(sparse_attention_cached(*args), ops.sparse_attention_cached(*args))
+                    assert r < tol, (k_swa, k_comp, quant, c is not None, r)
         # dense caches, none: the cached kernel is the dense kernel over [window | top-k]
         swa = encode_rows(swa_v, "dense", dense_dtype=torch.float32)
         both = torch.cat([swa, encode_rows(comp_v, "dense", dense_dtype=torch.float32)])
@@ -169,6 +182,29 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             out = sparse_attention_cached(*args)
             assert out.dtype == torch.bfloat16
             assert rel(out.float(), ops.sparse_attention_cached(*args).float()) < 1e-2, quant
+
+    def attention_over_a_workspace():
+        """The routed call where neither FlashMLA nor Gluon runs (H = 4): the cached kernel's
+        math over the workspace's decoded rows gives the cached kernel's result exactly, in
+        both numerics, in one call or in chunks."""
+        from unittest import mock
+
+        from dsv4cp.kernels import flashmla
+
+        q, swa_v, comp_v, si, ci, sink = _inputs(6, 4, 64, 40, 300, 16, 90, 6)
+        swa = encode_rows(swa_v, "fp8_ue8m0_32", dense_dtype=torch.float32)
+        comp = encode_rows(comp_v, "fp4_e4m3_16", dense_dtype=torch.float32)
+        assert flashmla.sparse_attention_cached_backend(q).startswith(
+            flashmla.TRITON_OVER_WORKSPACE
+        )
+        for quant in ("none", "qat"):
+            for c, c_idx in ((comp, ci), (None, None)):
+                args = (q, swa, si, c, c_idx, sink, 0.125, "fp8_ue8m0_32", "fp4_e4m3_16", quant)
+                want = sparse_attention_cached(*args)
+                assert torch.equal(flashmla.sparse_attention_cached(*args), want), quant
+                with mock.patch.multiple(flashmla, WORKSPACE_BUDGET_BYTES=1, MIN_CHUNK_ROWS=2):
+                    out = flashmla.sparse_attention_cached(*args)
+                assert torch.equal(out, want), (quant, "chunks")
 
     def logits_match_twin():
         g = torch.Generator().manual_seed(3)

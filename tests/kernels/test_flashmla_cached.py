@@ -139,25 +139,51 @@ def test_flashmla_over_the_workspace_equals_the_cached_op(
     ]
 
 
-def test_misfits_go_to_the_triton_cached_kernel_said_once(
-    fake: FakeFlashMLA, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("chunked", [False, True])
+def test_misfits_go_to_the_triton_kernel_over_a_workspace_said_once(
+    fake: FakeFlashMLA,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    chunked: bool,
 ) -> None:
-    calls: list[str] = []
+    """Neither FlashMLA nor Gluon takes H = 4: the Triton cached kernel's math runs over the
+    workspace (two dense sources, window then top-k, so qat's blocks are unchanged) in the
+    model dtype; `DSV4CP_FLASHMLA=off` keeps the kernel on the caches themselves."""
+    calls: list[tuple] = []
 
     def fake_triton(*a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(a[9] if len(a) > 9 else kw.get("quant", "none"))
+        calls.append((a[7], a[8], a[9], a[1].dtype, a[2].shape[1], a[4] is None or a[4].shape[1]))
         return ops.sparse_attention_cached(*a, **kw)
 
     monkeypatch.setattr(triton_attention, "sparse_attention_cached", fake_triton)
+    if chunked:
+        monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", 1)
+        monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 2)
     caplog.set_level(logging.INFO, logger="dsv4cp.kernels")
     q, swa, win, comp, top, sink = _caches(h=4, seed=3)
-    for _ in range(2):
-        flashmla.sparse_attention_cached(q, swa, win, comp, top, sink, 0.1, FP8, FP4, "qat")
-    assert calls == ["qat", "qat"] and not fake.calls
+    for quant in ("qat", "none"):
+        args = (q, swa, win, comp, top, sink, 0.1, FP8, FP4, quant)
+        out = flashmla.sparse_attention_cached(*args)
+        # the fake kernel is the ops twin: over the exactly decoded rows it is the twin's result
+        assert torch.equal(out, ops.sparse_attention_cached(*args)), quant
+    n = 3 if chunked else 1
+    # qat: the workspace's [window | top-k] as one list (the same 64-key blocks); none: two
+    assert (
+        calls
+        == [("dense", "dense", "qat", q.dtype, 56, True)] * n
+        + [("dense", "dense", "none", q.dtype, 16, 40)] * n
+    )
+    assert not fake.calls
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("sparse attention: Triton cached kernel (") and "H=4" in line
+    assert line.startswith("sparse attention: Triton kernel over a workspace (FlashMLA: ")
+    assert "H=4" in line and "Gluon: " in line
     monkeypatch.setenv(flashmla.ENV_FLAG, "off")
-    assert "DSV4CP_FLASHMLA=off" in flashmla.sparse_attention_cached_backend(q)
+    assert flashmla.sparse_attention_cached_backend(q) == (
+        "Triton cached kernel (DSV4CP_FLASHMLA=off)"
+    )
+    calls.clear()
+    flashmla.sparse_attention_cached(q, swa, win, comp, top, sink, 0.1, FP8, FP4, "qat")
+    assert calls == [(FP8, FP4, "qat", swa.dtype, 16, 40)]
     with pytest.raises(ValueError, match="sink must be"):
         flashmla.sparse_attention_cached(q, swa, win, comp, top, sink[:2], 0.1, FP8, FP4)
 

@@ -1,8 +1,9 @@
-"""`DSV4CP_GLUON_ATTENTION=on`: where FlashMLA does not run, kernels/flashmla sends a query the
-Gluon sm_90 kernel takes (Hopper, 64 heads × 512, bf16) to it, over the same bf16 workspace
-FlashMLA reads. On the CPU the Gluon kernel is replaced by the ops' dense attention (as the fake
-FlashMLA is in test_flashmla_cached.py), so these check the dispatch, the workspace it is given
-and the log line; the kernel itself runs in tests/gpu/test_attention_gluon_gpu.py."""
+"""Where FlashMLA does not run, kernels/flashmla sends a query the Gluon sm_90 kernel takes
+(Hopper, 64 heads × 512, bf16) to it, over the same bf16 workspace FlashMLA reads —
+`DSV4CP_GLUON_ATTENTION` auto (the default) and on; auto not under `DSV4CP_FLASHMLA=off`.
+On the CPU the Gluon kernel is replaced by the ops' dense attention (as the fake FlashMLA is in
+test_flashmla_cached.py), so these check the dispatch, the workspace it is given and the log
+line; the kernel itself runs in tests/gpu/test_attention_gluon_gpu.py."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from dsv4cp.kernels import attention_gluon, flashmla
 from tests.kernels.test_flashmla_cached import FP4, FP8, _caches, _install
 from tests.kernels.test_flashmla_dispatch import FakeFlashMLA
 
-STAND_IN = "Gluon sm_90 kernel (DSV4CP_GLUON_ATTENTION=on; FlashMLA: flash_mla is not installed)"
+STAND_IN = "Gluon sm_90 kernel (FlashMLA: flash_mla is not installed)"
 
 
 @pytest.fixture
 def gluon(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """No flash_mla, an SM90 device, the flag on; the Gluon kernel's calls (kv and index
-    shapes) recorded."""
+    """No flash_mla, an SM90 device, the flag at its default (auto); the Gluon kernel's calls
+    (kv and index shapes) recorded."""
     calls: list[tuple[int, ...]] = []
 
     def fake(q, kv, indices, sink, scale):  # type: ignore[no-untyped-def]
@@ -36,7 +37,7 @@ def gluon(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     monkeypatch.setattr(attention_gluon, "HAVE_GLUON", True)
     monkeypatch.setattr(attention_gluon, "sparse_attention_gluon", fake)
     monkeypatch.delenv(flashmla.ENV_FLAG, raising=False)
-    monkeypatch.setenv(flashmla.GLUON_ENV, "on")
+    monkeypatch.delenv(flashmla.GLUON_ENV, raising=False)
     return calls
 
 
@@ -78,23 +79,34 @@ def test_dense_rows_go_to_the_gluon_kernel(gluon: list[tuple[int, ...]]) -> None
     assert flashmla.sparse_attention_backend(q, kv.float(), idx, sink).startswith("Triton")
 
 
+@pytest.mark.parametrize("flag", ["auto", "on", "1", "yes"])
+def test_auto_and_on_stand_in_where_flashmla_is_missing(
+    gluon: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    monkeypatch.setenv(flashmla.GLUON_ENV, flag)
+    q = _caches()[0]
+    assert flashmla.sparse_attention_cached_backend(q) == f"{STAND_IN} over a bf16 workspace"
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        (lambda m, q: m.setenv(flashmla.GLUON_ENV, "off"), "DSV4CP_GLUON_ATTENTION is off"),
-        (lambda m, q: m.delenv(flashmla.GLUON_ENV), "DSV4CP_GLUON_ATTENTION is off"),
+        (lambda m, q: m.setenv(flashmla.GLUON_ENV, "off"), "DSV4CP_GLUON_ATTENTION=off"),
+        (lambda m, q: m.setenv(flashmla.GLUON_ENV, "0"), "DSV4CP_GLUON_ATTENTION=off"),
         (lambda m, q: m.setattr(flashmla, "_capability", lambda x: (8, 0)), "needs SM90"),
         (lambda m, q: m.setattr(attention_gluon, "HAVE_GLUON", False), "has no Gluon"),
     ],
-    ids=["flag-off", "flag-unset", "not-hopper", "no-gluon"],
+    ids=["flag-off", "flag-0", "not-hopper", "no-gluon"],
 )
-def test_otherwise_the_triton_cached_kernel(
+def test_otherwise_the_triton_kernel_over_the_workspace(
     gluon: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch, change, reason: str
 ) -> None:
     q, swa, win, comp, top, sink = _caches(seed=5)
     change(monkeypatch, q)
     backend = flashmla.sparse_attention_cached_backend(q)
-    assert backend.startswith("Triton cached kernel (") and "flash_mla is not installed" in backend
+    assert backend.startswith(
+        "Triton kernel over a workspace (FlashMLA: flash_mla is not installed; Gluon: "
+    )
     assert reason in (flashmla.gluon_misfit(q) or "")
     calls: list[int] = []
 
@@ -120,9 +132,14 @@ def test_flashmla_wins_where_it_runs(
     _install(monkeypatch, FakeFlashMLA())
     q = _caches()[0]
     assert flashmla.sparse_attention_cached_backend(q).startswith("FlashMLA")
-    monkeypatch.setenv(flashmla.ENV_FLAG, "off")  # FlashMLA off: the Gluon kernel stands in
-    assert flashmla.sparse_attention_cached_backend(q).startswith(
-        "Gluon sm_90 kernel (DSV4CP_GLUON_ATTENTION=on; FlashMLA: DSV4CP_FLASHMLA=off)"
+    # FlashMLA off asks for the Triton kernels (the reference-exact qat path): auto keeps them
+    monkeypatch.setenv(flashmla.ENV_FLAG, "off")
+    backend = flashmla.sparse_attention_cached_backend(q)
+    assert backend.startswith("Triton cached kernel (DSV4CP_FLASHMLA=off)")
+    assert "DSV4CP_FLASHMLA=off keeps the Triton kernels" in (flashmla.gluon_misfit(q) or "")
+    monkeypatch.setenv(flashmla.GLUON_ENV, "on")  # on: the Gluon kernel stands in there too
+    assert flashmla.sparse_attention_cached_backend(q) == (
+        "Gluon sm_90 kernel (FlashMLA: DSV4CP_FLASHMLA=off) over a bf16 workspace"
     )
 
 

@@ -55,7 +55,13 @@ def test_real_dims_v41_rows() -> None:
 
 @pytest.mark.parametrize(
     ("t", "h", "d", "n", "k"),
-    [(1, 64, 512, 100, 640), (37, 64, 512, 999, 17), (13, 4, 96, 50, 40), (5, 128, 512, 300, 130)],
+    [
+        (1, 64, 512, 100, 640),
+        (37, 64, 512, 999, 17),
+        (13, 4, 96, 50, 40),
+        (5, 128, 512, 300, 130),
+        (9, 64, 512, 50, 1),
+    ],  # K = 1: the launch pads it (no_count_of_one)
 )
 def test_odd_shapes(t: int, h: int, d: int, n: int, k: int) -> None:
     q, kv, sink, g = _inputs(t, h, d, n, seed=t + k)

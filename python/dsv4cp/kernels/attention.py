@@ -24,6 +24,7 @@ log2(e)-scaled scores), so it agrees with the torch order to fp32 rounding, not 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -83,9 +84,11 @@ def _attend_source(
     FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    QAT: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    """The online-softmax update over one source's indices; returns (m, l_sum, acc)."""
+    """The online-softmax update over one source's indices; returns (m, l_sum, acc). In qat
+    its blocks are the reference's only when the list is the whole one (`ONE_LIST`)."""
     for start in range(0, NUM_IDX, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_row + offs, mask=offs < NUM_IDX, other=-1)
@@ -93,7 +96,7 @@ def _attend_source(
         rows = kv_ptr + idx[:, None].to(tl.int64) * stride_kvn
         kv = load_key_rows(rows, d, valid[:, None] & d_ok[None, :], D, FMT)
         m, l_sum, acc = _online_update(
-            q, m, l_sum, acc, kv, valid, qk_scale, UPCAST, DOT_PREC, False, RNE
+            q, m, l_sum, acc, kv, valid, qk_scale, UPCAST, DOT_PREC, QAT, RNE
         )
     return m, l_sum, acc
 
@@ -133,10 +136,13 @@ def _attend_concatenated(
     return m, l_sum, acc
 
 
-# A count or row count of 1 would be compiled as a constant: Triton then pipelines the one-trip
-# loop into 262 KB of shared memory at Flash dims, above Hopper's 227 KB (a launch with one index
-# per query failed so on the H100; tests/kernels/test_attention_compile.py).
-@triton.jit(do_not_specialize=["N_SWA", "N_COMP", "NUM_SWA_IDX", "NUM_COMP_IDX"])
+# Triton's JIT compiles an int argument equal to 1 as a constant: an index count of 1 made the
+# one-trip loop pipeline into 262 KB of shared memory at Flash dims, above Hopper's 227 KB (the
+# H100 refused it). The launcher never passes an index count of 1 where it would be such a loop's
+# (`no_count_of_one`), so the counts keep Triton's divisible-by-16 specialisation, which the cached
+# kernel's speed needs (docs/performance.md §25); the row counts only bound a mask and stay
+# runtime values (tests/kernels/test_attention_compile.py).
+@triton.jit(do_not_specialize=["N_SWA", "N_COMP"])
 def _sparse_attention_kernel(
     q_ptr,
     swa_ptr,
@@ -168,6 +174,7 @@ def _sparse_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     QAT: tl.constexpr,
+    ONE_LIST: tl.constexpr,
     RNE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -191,7 +198,13 @@ def _sparse_attention_kernel(
         m = sink
         l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-    if QAT:
+    if QAT and ONE_LIST:  # no compressed list: the SWA list is the reference's whole list
+        m, l_sum, acc = _attend_source(
+            q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
+            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, True, RNE,
+        )  # fmt: skip
+        l_sum = l_sum + tl.exp2(sink - m)
+    elif QAT:
         m, l_sum, acc = _attend_concatenated(
             q, m, l_sum, acc,
             swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX, stride_swa,
@@ -202,11 +215,11 @@ def _sparse_attention_kernel(
     else:
         m, l_sum, acc = _attend_source(
             q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, RNE,
+            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, False, RNE,
         )  # fmt: skip
         m, l_sum, acc = _attend_source(
             q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
-            stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, RNE,
+            stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, False, RNE,
         )  # fmt: skip
     o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(
@@ -333,13 +346,17 @@ def launch_sparse_attention(
 Source = tuple[Tensor | None, Tensor | None, str]
 
 
-def pipeline_stages(stages: int, swa_fmt: int, comp_fmt: int, qat: bool) -> int:
+def pipeline_stages(
+    stages: int, swa_fmt: int, comp_fmt: int, qat: bool, one_list: bool = False
+) -> int:
     """num_stages for a launch: qat over two dense sources pipelines bf16 K tiles of both and
     needs 257 KB of shared memory at D = 512, 64 heads, BLOCK_N 64 with 2 stages — above
     Hopper's 227 KB (Triton 3.6 sm_90 compile; the H200 refused the launch) — so it takes one
-    stage. Every other combination fits with 2 (tests/kernels/test_attention_compile.py)."""
+    stage. Every other combination, a single list (`one_list`) included, fits with 2
+    (tests/kernels/test_attention_compile.py)."""
     dense = FORMAT_CODES["dense"]
-    return 1 if qat and swa_fmt == dense and comp_fmt == dense else stages
+    two_dense = swa_fmt == dense and comp_fmt == dense and not one_list
+    return 1 if qat and two_dense else stages
 
 
 def _prepared(src: Source, q: Tensor) -> tuple[Tensor, Tensor, int]:
@@ -356,6 +373,19 @@ def _prepared(src: Source, q: Tensor) -> tuple[Tensor, Tensor, int]:
     if idx.stride(1) != 1:
         idx = idx.contiguous()
     return cache, idx, FORMAT_CODES[fmt]
+
+
+def no_count_of_one(swa_idx: Tensor, comp_idx: Tensor, qat: bool) -> tuple[Tensor, Tensor]:
+    """The index lists with a −1 column (a skipped key) appended to a list of one index that
+    would be a loop's whole trip count (the kernel's comment): the compressed list, and the SWA
+    list unless, in qat, a compressed list follows it — there the reference's 64-key blocks run
+    over the concatenation, a column inserted between would move them, and the loop's trip count
+    is the sum of both counts, a runtime value."""
+    if comp_idx.shape[1] == 1:
+        comp_idx = F.pad(comp_idx, (0, 1), value=-1)
+    if swa_idx.shape[1] == 1 and not (qat and comp_idx.shape[1] > 0):
+        swa_idx = F.pad(swa_idx, (0, 1), value=-1)
+    return swa_idx, comp_idx
 
 
 def _launch(
@@ -376,8 +406,10 @@ def _launch(
         q = q.contiguous()
     swa, swa_idx, swa_fmt = _prepared(swa_src, q)
     comp, comp_idx, comp_fmt = _prepared(comp_src, q)
+    swa_idx, comp_idx = no_count_of_one(swa_idx, comp_idx, qat)
     block_n, warps, stages = config or DEFAULT_CONFIG
-    stages = pipeline_stages(stages, swa_fmt, comp_fmt, qat)
+    one_list = comp_src[0] is None or comp_src[1] is None
+    stages = pipeline_stages(stages, swa_fmt, comp_fmt, qat, one_list)
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
@@ -410,6 +442,7 @@ def _launch(
         COMP_FMT=comp_fmt,
         **dot_flags(q.dtype),
         QAT=qat,
+        ONE_LIST=one_list,
         num_warps=warps,
         num_stages=stages,
     )

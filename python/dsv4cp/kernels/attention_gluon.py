@@ -49,11 +49,10 @@ except ImportError:  # pragma: no cover - older Triton
 HEADS = 64  # the MMA's M: one warpgroup's 64 rows
 HEAD_DIM = 512
 BLOCK_N = 64  # keys per tile (the warp-specialised kernel's)
-# (keys per step, kv buffers) of the pipelined kernel. (64, 2) passed the GPU tests; (128, 1)
-# gives each warpgroup a 64-wide score tile and one 128-row buffer (all that fits beside the
-# query) and was faster in an H100 probe (0.573 of FlashMLA against 0.477) but has not run in
-# the GPU tests yet: the default, which the opt-in route uses, stays the proven one.
-PIPELINED_CONFIG = (64, 2)
+# (keys per step, kv buffers) of the pipelined kernel. (128, 1) gives each warpgroup a 64-wide
+# score tile and one 128-row buffer (all that fits beside the query); both passed the H100's GPU
+# tests and (128, 1) is the faster, 0.592 of FlashMLA against 0.487 (docs/performance.md §25).
+PIPELINED_CONFIG = (128, 1)
 PIPELINED_CONFIGS = ((64, 2), (128, 1))  # what the tests and the benchmark run
 NUM_WARPS = 8
 _LOG2E = 1.4426950408889634

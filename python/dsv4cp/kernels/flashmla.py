@@ -10,19 +10,24 @@ shorter rows are padded with -1 here), -1 or ≥ N = skip; attn_sink fp32 [H]. O
 the legacy kernels (`use_legacy=True`); on SM100 the current ones. The math is the op's: the sink
 adds e^{sink} to the softmax denominator with no value vector.
 
-Where FlashMLA does not run, `DSV4CP_GLUON_ATTENTION=on` (opt-in; unmeasured at the layer,
-docs/performance.md §24) puts the Gluon sm_90 kernel (`kernels/attention_gluon.py`) in its place
-on Hopper at 64 heads × 512: it takes what FlashMLA takes, one dense bf16 source and indices,
-so it reads the same workspace.
+Where FlashMLA does not run, the Gluon sm_90 kernel (`kernels/attention_gluon.py`) takes its
+place on Hopper at 64 heads × 512 bf16: it takes what FlashMLA takes, one dense bf16 source and
+indices, so it reads the same workspace — 11× the Triton cached kernel at the layer (H100,
+docs/performance.md §25). `DSV4CP_GLUON_ATTENTION` (`gluon_misfit`): auto, the default, does so
+where FlashMLA is not installed or does not take the query, but not under `DSV4CP_FLASHMLA=off`;
+on also there; off never.
 
 `sparse_attention` takes the dense bf16 rows attention reads. `sparse_attention_cached` (the
 layer's call, routed here) reads the caches in their storage formats: per chunk of query rows it
-decodes the rows the chunk's indices name, each once, into a bf16 workspace of static size (no
-host sync: rows marked, numbered by a prefix sum, indices remapped; `build_workspace`) and calls
-FlashMLA over it; where FlashMLA does not take the query, the Triton cached kernel reads the
-caches in place. The chunk is bounded by WORKSPACE_BUDGET_BYTES (docs/performance.md has the
-memory at 16K-token chunks up to 1M context). `DSV4CP_FLASHMLA=off` keeps the Triton kernels
-(benchmarks compare the two on the same inputs).
+decodes the rows the chunk's indices name, each once, into a workspace of static size (no host
+sync: rows marked, numbered by a prefix sum, indices remapped; `build_workspace`) and runs
+FlashMLA or the Gluon kernel over it (bf16); where neither runs, the Triton cached kernel's math
+over a workspace in the model dtype (`triton_over_workspace`: the decode is exact, so the result
+is the kernel's on the caches, ~9× faster than its decode on load, §25). The chunk is bounded by
+WORKSPACE_BUDGET_BYTES (docs/performance.md has the memory at 16K-token chunks up to 1M
+context). `DSV4CP_FLASHMLA=off` keeps the Triton kernels, the cached one on the caches in place:
+the reference's qat order for `tools/reference_check` (benchmarks compare them on the same
+inputs).
 """
 
 from __future__ import annotations
@@ -82,9 +87,13 @@ def _version(mod: ModuleType) -> str:
     return str(getattr(mod, "__version__", "unknown version"))
 
 
+def _flashmla_off() -> bool:
+    return env_vars.read(ENV_FLAG) in ("off", "0", "false", "no")
+
+
 def _query_misfit(q: Tensor) -> str | None:
     """Why FlashMLA cannot take this query (or this process), or None."""
-    if env_vars.read(ENV_FLAG) in ("off", "0", "false", "no"):
+    if _flashmla_off():
         return f"{ENV_FLAG}=off"
     mod = flash_mla_module()
     if mod is None:
@@ -105,9 +114,15 @@ def _query_misfit(q: Tensor) -> str | None:
 
 
 def gluon_misfit(q: Tensor) -> str | None:
-    """Why the Gluon sm_90 kernel cannot stand in for FlashMLA here, or None when it can."""
-    if env_vars.read(GLUON_ENV) not in ("on", "1", "true", "yes"):
-        return f"{GLUON_ENV} is off"
+    """Why the Gluon sm_90 kernel cannot stand in for FlashMLA here, or None when it can.
+    `DSV4CP_GLUON_ATTENTION`: auto (the default) stands in where FlashMLA is not installed or
+    does not take the query, but not where `DSV4CP_FLASHMLA=off` asked for the Triton kernels
+    (the reference-exact qat path, `tools/reference_check`); on also there; off never."""
+    flag = env_vars.read(GLUON_ENV)
+    if flag in ("off", "0", "false", "no"):
+        return f"{GLUON_ENV}=off"
+    if flag == "auto" and _flashmla_off():
+        return f"{ENV_FLAG}=off keeps the Triton kernels ({GLUON_ENV}=on takes Gluon there)"
     why = attention_gluon.kernel_misfit(q, _capability(q))
     if why is None and q.dtype != torch.bfloat16:
         return f"the Gluon kernel takes bf16 q, got {q.dtype}"
@@ -118,7 +133,7 @@ def _stand_in(why: str, q: Tensor) -> str | None:
     """The Gluon backend's name where FlashMLA does not run (`why`) and Gluon can, else None."""
     if gluon_misfit(q) is not None:
         return None
-    return f"Gluon sm_90 kernel ({GLUON_ENV}=on; FlashMLA: {why})"
+    return f"Gluon sm_90 kernel (FlashMLA: {why})"
 
 
 def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str | None:
@@ -208,7 +223,37 @@ def sparse_attention_cached_backend(q: Tensor) -> str:
     stand_in = _stand_in(why, q)
     if stand_in is not None:
         return f"{stand_in} over a bf16 workspace"
-    return f"Triton cached kernel ({why})"
+    if _flashmla_off():
+        return f"Triton cached kernel ({why})"
+    return f"{TRITON_OVER_WORKSPACE} (FlashMLA: {why}; Gluon: {gluon_misfit(q)})"
+
+
+# The portable path where neither FlashMLA nor Gluon runs: the Triton cached kernel's math over
+# the workspace's decoded rows (exact in the model dtype), 9x its decode on load (§25).
+TRITON_OVER_WORKSPACE = "Triton kernel over a workspace"
+
+
+def triton_over_workspace(
+    k_swa: int, quant: QuantMode
+) -> Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]:
+    """The Triton cached kernel over a workspace whose first `k_swa` index columns are the
+    window's, with the cached kernel's result over the same decoded values. In qat the
+    workspace's one index list [window | top-k] goes in as one list: the reference's 64-key
+    blocks over it are the ones the kernel walks over the two lists concatenated, and one list
+    pipelines like the dense kernel (two stages, one load per block; §25). In none the two
+    lists stay two sources, as the kernel walks them on the caches."""
+    one_list = check_quant_mode(quant) == "qat"
+
+    def attend(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float) -> Tensor:
+        if one_list or idx.shape[1] == k_swa:
+            return triton_attention.sparse_attention_cached(
+                q, kv, idx, None, None, sink, scale, "dense", "dense", quant
+            )
+        return triton_attention.sparse_attention_cached(
+            q, kv, idx[:, :k_swa], kv, idx[:, k_swa:], sink, scale, "dense", "dense", quant
+        )
+
+    return attend
 
 
 def sparse_attention_cached(
@@ -241,24 +286,25 @@ def sparse_attention_cached(
     )
     backend = sparse_attention_cached_backend(q)
     _say_once(f"sparse attention: {backend}")
-    if backend.startswith("Triton"):
+    if backend.startswith("Triton cached"):
         return triton_attention.sparse_attention_cached(
             q, swa, swa_indices, comp, comp_indices, sink, scale, swa_format, comp_format, quant
         )
-    attend = _workspace_kernel(backend)
     check_quant_mode(quant)  # FlashMLA's order (and Gluon's) is one for both modes
+    if backend.startswith(TRITON_OVER_WORKSPACE):  # the decode is exact in the model dtype
+        attend, dtype = triton_over_workspace(swa_indices.shape[1], quant), q.dtype
+    else:
+        attend, dtype = _workspace_kernel(backend), torch.bfloat16
     sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
                                 workspace_rows, comp_rows)  # fmt: skip
     d = q.shape[2]
-    spans = chunks(q.shape[0], sources, d * 2)
-    if len(spans) == 1:  # FlashMLA's output is the result: no copy into another buffer
-        kv, idx = build_workspace(
-            sources, slice(0, q.shape[0]), d, torch.bfloat16, memo=workspace_memo
-        )
+    spans = chunks(q.shape[0], sources, d * dtype.itemsize)
+    if len(spans) == 1:  # the kernel's output is the result: no copy into another buffer
+        kv, idx = build_workspace(sources, slice(0, q.shape[0]), d, dtype, memo=workspace_memo)
         return attend(q, kv, idx, sink, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for a, b in spans:
-        kv, idx = build_workspace(sources, slice(a, b), d, torch.bfloat16)
+        kv, idx = build_workspace(sources, slice(a, b), d, dtype)
         out[a:b] = attend(q[a:b], kv, idx, sink, scale)
     return out
 
