@@ -30,8 +30,9 @@ def _key(name: str) -> str:
 
 
 def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
-    """`gluon_ws`: also time the warp-specialised Gluon kernel (docs/performance.md §24: not yet
-    run to completion on a GPU beyond two tiles; its GPU test runs it under a time limit)."""
+    """`gluon_ws`: also time the warp-specialised Gluon kernels (docs/performance.md §25: (64, 2)
+    correct and no faster than the pipelined one; (32, 4) not yet run on a GPU — its GPU test
+    runs it under a time limit first)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
     kv = torch.randn(n, d, device=common.DEV).bfloat16()
@@ -93,6 +94,10 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
             gluon["gluon ws sm_90 tile-order"] = functools.partial(
                 sparse_attention_gluon_ws, tile_order=True
             )
+            for order in (False, True):  # (32, 4): a round in flight while the last is consumed
+                gluon["gluon ws sm_90 (32, 4)" + (" tile-order" if order else "")] = (
+                    functools.partial(sparse_attention_gluon_ws, tile_order=order, config=(32, 4))
+                )
         ref_v41 = ops.sparse_attention(q, kv, idx_v41, sink, scale)
         for name, fn in gluon.items():
             for label, ix, want in (("", idx, ref), (", V4.1 -1 rows", idx_v41, ref_v41)):

@@ -33,7 +33,7 @@ pytestmark = [
 ]
 H, D = 64, 512
 WS_SMOKE_TIMEOUT_S = (
-    180  # two compiles and 8 launches; a hang is a deadlock in the mbarrier protocol
+    300  # four compiles and 16 launches; a hang is a deadlock in the mbarrier protocol
 )
 
 
@@ -44,14 +44,15 @@ def ws_terminates() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from dsv4cp.kernels.attention_gluon_ws import sparse_attention_gluon_ws
-        for k in (64, 130, 640, 5120):
+        from dsv4cp.kernels.attention_gluon_ws import WS_CONFIGS, sparse_attention_gluon_ws
+        for k, config in [(k, c) for c in WS_CONFIGS for k in (64, 130, 640, 5120)]:
             q = torch.randn(3, 64, 512, device="cuda").bfloat16()
             kv = torch.randn(900, 512, device="cuda").bfloat16()
             idx = torch.randint(0, 900, (3, k), device="cuda", dtype=torch.int32)
             for order in (False, True):
                 sparse_attention_gluon_ws(
-                    q, kv, idx, torch.zeros(64, device="cuda"), 0.04, tile_order=order
+                    q, kv, idx, torch.zeros(64, device="cuda"), 0.04, tile_order=order,
+                    config=config,
                 )
                 torch.cuda.synchronize()
         """
@@ -68,12 +69,16 @@ def ws_terminates() -> None:
 def _kernel(request: pytest.FixtureRequest, name: str):  # type: ignore[no-untyped-def]
     if name.startswith("ws"):
         request.getfixturevalue("ws_terminates")
-        return functools.partial(sparse_attention_gluon_ws, tile_order=name == "ws-tile-order")
+        config = (32, 4) if name.startswith("ws32x4") else (64, 2)
+        return functools.partial(
+            sparse_attention_gluon_ws, tile_order=name.endswith("tile-order"), config=config
+        )
     block_n, nbuf = (int(x) for x in name[2:].split("x"))
     return functools.partial(sparse_attention_gluon, config=(block_n, nbuf))
 
 
 NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws", "ws-tile-order"]
+NAMES += ["ws32x4", "ws32x4-tile-order"]  # WS_CONFIGS' second
 KERNELS = pytest.mark.parametrize("name", NAMES)
 
 

@@ -52,15 +52,17 @@ def test_not_available_off_the_gpu() -> None:
     assert not gluon_attention_available(_inputs()[0])
 
 
-def _compiled(which: str, config: tuple[int, int] = ag.PIPELINED_CONFIG) -> object:
+def _compiled(which: str, config: tuple[int, int] | None = None) -> object:
     if not ag.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     try:
         if which.startswith("ws"):
             from dsv4cp.kernels import attention_gluon_ws
 
-            return attention_gluon_ws.compile_ws_for_hopper(tile_order=which == "ws-tile-order")
-        return ag.compile_for_hopper(*config)
+            return attention_gluon_ws.compile_ws_for_hopper(
+                tile_order=which == "ws-tile-order", config=config or attention_gluon_ws.WS_CONFIG
+            )
+        return ag.compile_for_hopper(*(config or ag.PIPELINED_CONFIG))
     except (ImportError, RuntimeError) as exc:  # no CUDA backend in this triton build
         if "backend" in str(exc).lower():
             pytest.skip(f"triton cannot target CUDA here: {exc}")
@@ -118,17 +120,24 @@ def test_no_shared_buffer_is_rewritten_under_the_other_warpgroups_wgmma(
 
 
 @pytest.mark.parametrize("which", ["ws", "ws-tile-order"])
-def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(which: str) -> None:
+@pytest.mark.parametrize("config", [(64, 2), (32, 4)], ids=["bn64x2", "bn32x4"])
+def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(
+    which: str, config: tuple[int, int]
+) -> None:
     from dsv4cp.kernels import attention_gluon_ws as ws
 
-    kernel = _compiled(which)
+    assert config in ws.WS_CONFIGS
+    kernel = _compiled(which, config)
     assert int(kernel.metadata.shared) <= HOPPER_SMEM
     ptx = kernel.asm["ptx"]
     shapes = _mma_shapes(ptx)
-    # each math warpgroup's code (two partitions): q·kᵀ of its own 64-key tile over 512 columns,
+    # each math warpgroup's code (two partitions): q·kᵀ of its own BN-key tile over 512 columns,
     # then p·v into its 256 output columns twice (its own p from registers, the other's)
-    assert shapes.count("m64n64k16") == 2 * 512 // 16
-    assert shapes.count("m64n256k16") == 2 * 2 * ag.BLOCK_N // 16
+    block_n, nbuf = config
+    assert shapes.count(f"m64n{block_n}k16") == 2 * 512 // 16
+    assert shapes.count("m64n256k16") == 2 * 2 * block_n // 16
+    # one ready and one free barrier per buffer, plus q_ready and the m, p, l exchanges
+    assert len(re.findall(r"mbarrier\.init", ptx)) == 2 * nbuf + 4
     granted = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert ws.MATH_REGS in granted
     # three warpgroups of 128 threads share the register file: what they ask must fit

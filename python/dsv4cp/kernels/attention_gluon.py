@@ -48,7 +48,6 @@ except ImportError:  # pragma: no cover - older Triton
 
 HEADS = 64  # the MMA's M: one warpgroup's 64 rows
 HEAD_DIM = 512
-BLOCK_N = 64  # keys per tile (the warp-specialised kernel's)
 # (keys per step, kv buffers) of the pipelined kernel. (128, 1) gives each warpgroup a 64-wide
 # score tile and one 128-row buffer (all that fits beside the query); both passed the H100's GPU
 # tests and (128, 1) is the faster, 0.592 of FlashMLA against 0.487 (docs/performance.md §25).

@@ -23,7 +23,6 @@ from __future__ import annotations
 from torch import Tensor
 
 from dsv4cp.kernels.attention_gluon import (
-    BLOCK_N,
     HAVE_GLUON,
     compile_for_sm90,
     launch_per_query,
@@ -35,6 +34,11 @@ from dsv4cp.kernels.attention_gluon import (
 MAXNREG = 168
 MATH_REGS = 224
 LOAD_REGS = 56
+# (keys per tile, kv buffers). (64, 2) ran on the H100 (correct, as fast as the pipelined (64, 2),
+# §25): a round's two loads wait until the previous round is consumed. (32, 4) keeps a round
+# in flight while the last is consumed (200 KB of shared memory); not yet run on a GPU.
+WS_CONFIG = (64, 2)
+WS_CONFIGS = ((64, 2), (32, 4))
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -50,8 +54,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, q_ready, N, K, stride_qh,
-                stride_kvn, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):  # fmt: skip
-        """The query, then every tile into buffer (tile % 2), each announced on ready[buffer]."""
+                stride_kvn, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+                NBUF: gl.constexpr):  # fmt: skip
+        """The query, then every tile into buffer (tile % NBUF), each announced on
+        ready[buffer]; use u of a buffer (tile // NBUF) is phase u & 1 of its barriers."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
@@ -64,8 +70,8 @@ if HAVE_GLUON:
         fence_async_shared()
         mbarrier.arrive(q_ready, count=1)
         for i in range(gl.cdiv(K, BN)):
-            b = i % 2
-            mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # tile i-2 consumed (or i < 2)
+            b = i % NBUF
+            mbarrier.wait(free.index(b), ((i // NBUF) & 1) ^ 1)  # tile i-NBUF consumed, or none
             _issue_tile(kv_ptr, idx_row, kv_smem.index(b), i * BN, N, K, stride_kvn, BN, D, LD)
             async_copy.commit_group()
             # announced before the loader waits again: the math warpgroups need tile i to
@@ -78,7 +84,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
               q_ready, m_bar, p_bar, l_bar, N, K, qk_scale, stride_oh, WG: gl.constexpr,
-              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
               TILE_ORDER: gl.constexpr):  # fmt: skip
         """Math warpgroup WG: s on tiles WG, WG+2, …; output columns [WG·D/2, (WG+1)·D/2)."""
         HALF: gl.constexpr = D // 2
@@ -100,13 +106,18 @@ if HAVE_GLUON:
             ph = r & 1
             mine = 2 * r + WG
             other = 2 * r + 1 - WG
+            if NBUF == 2:  # buffer = warpgroup, use = round: the code the H100 ran (§25)
+                b_mine, b_other, ph_mine, ph_other = WG, 1 - WG, ph, ph
+            else:
+                b_mine, b_other = mine % NBUF, other % NBUF
+                ph_mine, ph_other = (mine // NBUF) & 1, (other // NBUF) & 1
             offs = mine * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
             idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
             ok = (idx >= 0) & (idx < N)
             if mine < n_tiles:
-                mbarrier.wait(ready.index(WG), ph)
+                mbarrier.wait(ready.index(b_mine), ph_mine)
                 fence_async_shared()
-                kv = kv_smem.index(WG)
+                kv = kv_smem.index(b_mine)
                 s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
             else:
                 s = s_zero
@@ -128,25 +139,30 @@ if HAVE_GLUON:
             if TILE_ORDER:  # both read buffer 0's tile first: it is freed half a round sooner
                 mbarrier.wait(p_bar, ph)
                 for b in gl.static_range(2):
-                    if 2 * r + b < n_tiles:
-                        v = kv_smem.index(b).slice(WG * HALF, HALF, dim=1)
+                    tile = 2 * r + b
+                    if tile < n_tiles:
+                        if NBUF == 2:
+                            buf, use = b, ph
+                        else:
+                            buf, use = tile % NBUF, (tile // NBUF) & 1
+                        v = kv_smem.index(buf).slice(WG * HALF, HALF, dim=1)
                         if b == WG:
                             o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
                         else:
-                            mbarrier.wait(ready.index(b), ph)
+                            mbarrier.wait(ready.index(buf), use)
                             o = warpgroup_mma(p_smem.index(b), v, o)
-                        mbarrier.arrive(free.index(b), count=1)
+                        mbarrier.arrive(free.index(buf), count=1)
             else:  # its own tile first (its p is in registers), then the other's
                 if mine < n_tiles:
-                    v = kv_smem.index(WG).slice(WG * HALF, HALF, dim=1)
+                    v = kv_smem.index(b_mine).slice(WG * HALF, HALF, dim=1)
                     o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
-                    mbarrier.arrive(free.index(WG), count=1)
+                    mbarrier.arrive(free.index(b_mine), count=1)
                 mbarrier.wait(p_bar, ph)
                 if other < n_tiles:
-                    mbarrier.wait(ready.index(1 - WG), ph)
-                    v = kv_smem.index(1 - WG).slice(WG * HALF, HALF, dim=1)
+                    mbarrier.wait(ready.index(b_other), ph_other)
+                    v = kv_smem.index(b_other).slice(WG * HALF, HALF, dim=1)
                     o = warpgroup_mma(p_smem.index(1 - WG), v, o)
-                    mbarrier.arrive(free.index(1 - WG), count=1)
+                    mbarrier.arrive(free.index(b_other), count=1)
         l_smem.index(WG).store(l_own)
         mbarrier.arrive(l_bar, count=1)
         mbarrier.wait(l_bar, 0)
@@ -161,21 +177,22 @@ if HAVE_GLUON:
     def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
                    p_smem, m_smem, l_smem, ready, free, bars, N, K, qk_scale, stride_qh,
                    stride_kvn, stride_oh, H: gl.constexpr, D: gl.constexpr,
-                   BN: gl.constexpr, TILE_ORDER: gl.constexpr):  # fmt: skip
+                   BN: gl.constexpr, NBUF: gl.constexpr, TILE_ORDER: gl.constexpr):  # fmt: skip
         """Roles 0 and 1: the math warpgroups; role 2: the loader (one signature for all)."""
         if ROLE == 2:
             _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, bars.index(0), N, K,
-                    stride_qh, stride_kvn, H, D, BN)  # fmt: skip
+                    stride_qh, stride_kvn, H, D, BN, NBUF)  # fmt: skip
         else:
             _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
                   free, bars.index(0), bars.index(1), bars.index(2), bars.index(3), N, K,
-                  qk_scale, stride_oh, ROLE, H, D, BN, TILE_ORDER)  # fmt: skip
+                  qk_scale, stride_oh, ROLE, H, D, BN, NBUF, TILE_ORDER)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
     def _sparse_attention_ws_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, N, K, qk_scale,
         stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
-        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, TILE_ORDER: gl.constexpr,
+        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+        TILE_ORDER: gl.constexpr,
         MATH_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr,
     ):  # fmt: skip
@@ -185,14 +202,14 @@ if HAVE_GLUON:
         P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16)
         V_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], Q_SL)
-        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], KV_SL)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, D], KV_SL)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, BN], P_SL)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(NBUF):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=2)  # both math warpgroups read every tile
         mbarrier.init(bars.index(0), count=1)  # q_ready
@@ -229,6 +246,7 @@ if HAVE_GLUON:
                         H,
                         D,
                         BN,
+                        NBUF,
                         TILE_ORDER,
                     ),
                 )
@@ -240,14 +258,27 @@ if HAVE_GLUON:
 
 
 def sparse_attention_gluon_ws(
-    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, *, tile_order: bool = False
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sink: Tensor,
+    scale: float,
+    *,
+    tile_order: bool = False,
+    config: tuple[int, int] = WS_CONFIG,
 ) -> Tensor:
     """The warp-specialised Gluon twin of ops.attention.sparse_attention at the Flash shape.
     `tile_order`: each math warpgroup does a round's two p·v in tile order rather than its own
-    tile first, so the round's first buffer is freed half a round sooner (a variant to time)."""
+    tile first, so the round's first buffer is freed half a round sooner (a variant to time).
+    `config`: (keys per tile, kv buffers), one of WS_CONFIGS."""
+    if config not in WS_CONFIGS:
+        raise ValueError(
+            f"sparse_attention_gluon_ws: config must be one of {WS_CONFIGS}, got {config}"
+        )
     return launch_per_query(_sparse_attention_ws_kernel, q, kv, indices, sink, scale,
-                            BN=BLOCK_N, TILE_ORDER=tile_order, MATH_REGS=MATH_REGS,
-                            LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)  # fmt: skip
+                            BN=config[0], NBUF=config[1], TILE_ORDER=tile_order,
+                            MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
+                            maxnreg=MAXNREG)  # fmt: skip
 
 
 def compile_ws_for_hopper(
@@ -255,12 +286,14 @@ def compile_ws_for_hopper(
     load_regs: int = LOAD_REGS,
     maxnreg: int = MAXNREG,
     tile_order: bool = False,
+    config: tuple[int, int] = WS_CONFIG,
 ) -> object:
     """The warp-specialised kernel compiled for sm_90 without a GPU (tests)."""
     return compile_for_sm90(
         _sparse_attention_ws_kernel,
         dict(num_warps=4, maxnreg=maxnreg),
-        BN=BLOCK_N,
+        BN=config[0],
+        NBUF=config[1],
         TILE_ORDER=tile_order,
         MATH_REGS=math_regs,
         LOAD_REGS=load_regs,
