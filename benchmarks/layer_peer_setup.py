@@ -329,18 +329,15 @@ def triton_cached(*a: Any) -> torch.Tensor:
 
 def triton_over_workspace(*a: Any, **kw: Any) -> torch.Tensor:
     """The portable path where neither FlashMLA nor Gluon runs (`kernels/flashmla`, "Triton
-    kernel over a workspace"): the rows decoded once into a workspace (one chunk, its build
-    timed with it), then the Triton cached kernel's math over it — against the same kernel
-    decoding on load (`attn_triton_cached_ms`, docs/performance.md §25)."""
+    kernel over a workspace"): the rows decoded once into a workspace (its build timed with
+    it), then the Triton cached kernel's math over it — against the same kernel decoding on
+    load (`attn_triton_cached_ms`, docs/performance.md §25)."""
     from dsv4cp.kernels import flashmla
 
-    q, swa, win, comp, comp_idx, sink, scale, swa_fmt, comp_fmt = a[:9]
+    q, win = a[0], a[2]
     quant = a[9] if len(a) > 9 else "none"
-    sources = flashmla.workspace_sources(
-        swa, win, comp, comp_idx, swa_fmt, comp_fmt, kw.get("workspace_rows"), kw.get("comp_rows")
-    )
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), q.shape[2], q.dtype)
-    return flashmla.triton_over_workspace(win.shape[1], quant)(q, kv, idx, sink, scale)
+    attend = flashmla.triton_over_workspace(win.shape[1], quant)
+    return flashmla.over_workspace(attend, q.dtype, *a[:9], **kw)
 
 
 def attention_backend(q: torch.Tensor) -> str:

@@ -198,29 +198,26 @@ def _sparse_attention_kernel(
         m = sink
         l_sum = tl.where(sink > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-    if QAT and ONE_LIST:  # no compressed list: the SWA list is the reference's whole list
-        m, l_sum, acc = _attend_source(
-            q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, True, RNE,
-        )  # fmt: skip
-        l_sum = l_sum + tl.exp2(sink - m)
-    elif QAT:
+    if QAT and not ONE_LIST:  # the reference's blocks run over [SWA | compressed]
         m, l_sum, acc = _attend_concatenated(
             q, m, l_sum, acc,
             swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX, stride_swa,
             comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX, stride_comp,
             qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, COMP_FMT, UPCAST, DOT_PREC, RNE,
         )  # fmt: skip
-        l_sum = l_sum + tl.exp2(sink - m)
-    else:
+    else:  # qat here only with ONE_LIST: the SWA list is the reference's whole list
         m, l_sum, acc = _attend_source(
             q, m, l_sum, acc, swa_ptr, swa_idx_ptr + t * stride_swa_it, N_SWA, NUM_SWA_IDX,
-            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, False, RNE,
+            stride_swa, qk_scale, d, d_ok, D, BLOCK_N, SWA_FMT, UPCAST, DOT_PREC, QAT, RNE,
         )  # fmt: skip
-        m, l_sum, acc = _attend_source(
-            q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP, NUM_COMP_IDX,
-            stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST, DOT_PREC, False, RNE,
-        )  # fmt: skip
+        if not QAT:
+            m, l_sum, acc = _attend_source(
+                q, m, l_sum, acc, comp_ptr, comp_idx_ptr + t * stride_comp_it, N_COMP,
+                NUM_COMP_IDX, stride_comp, qk_scale, d, d_ok, D, BLOCK_N, COMP_FMT, UPCAST,
+                DOT_PREC, False, RNE,
+            )  # fmt: skip
+    if QAT:  # the sink's term joins the sum at the end, outside the running max
+        l_sum = l_sum + tl.exp2(sink - m)
     o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],

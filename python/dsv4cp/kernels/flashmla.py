@@ -87,8 +87,13 @@ def _version(mod: ModuleType) -> str:
     return str(getattr(mod, "__version__", "unknown version"))
 
 
+def _is_off(flag: str) -> bool:
+    """Whether an on/off variable (`DSV4CP_FLASHMLA`, `DSV4CP_GLUON_ATTENTION`) reads off."""
+    return env_vars.read(flag) in ("off", "0", "false", "no")
+
+
 def _flashmla_off() -> bool:
-    return env_vars.read(ENV_FLAG) in ("off", "0", "false", "no")
+    return _is_off(ENV_FLAG)
 
 
 def _query_misfit(q: Tensor) -> str | None:
@@ -118,10 +123,9 @@ def gluon_misfit(q: Tensor) -> str | None:
     `DSV4CP_GLUON_ATTENTION`: auto (the default) stands in where FlashMLA is not installed or
     does not take the query, but not where `DSV4CP_FLASHMLA=off` asked for the Triton kernels
     (the reference-exact qat path, `tools/reference_check`); on also there; off never."""
-    flag = env_vars.read(GLUON_ENV)
-    if flag in ("off", "0", "false", "no"):
+    if _is_off(GLUON_ENV):
         return f"{GLUON_ENV}=off"
-    if flag == "auto" and _flashmla_off():
+    if env_vars.read(GLUON_ENV) == "auto" and _flashmla_off():
         return f"{ENV_FLAG}=off keeps the Triton kernels ({GLUON_ENV}=on takes Gluon there)"
     why = attention_gluon.kernel_misfit(q, _capability(q))
     if why is None and q.dtype != torch.bfloat16:
@@ -129,10 +133,8 @@ def gluon_misfit(q: Tensor) -> str | None:
     return why
 
 
-def _stand_in(why: str, q: Tensor) -> str | None:
-    """The Gluon backend's name where FlashMLA does not run (`why`) and Gluon can, else None."""
-    if gluon_misfit(q) is not None:
-        return None
+def _stand_in(why: str) -> str:
+    """The Gluon backend's name where FlashMLA does not run (`why`) and Gluon can."""
     return f"Gluon sm_90 kernel (FlashMLA: {why})"
 
 
@@ -155,8 +157,9 @@ def sparse_attention_backend(q: Tensor, kv: Tensor, indices: Tensor, sink: Tenso
         mod = flash_mla_module()
         assert mod is not None
         return f"FlashMLA sparse prefill (sgl-flash-mla {_version(mod)})"
-    stand_in = _stand_in(why, q) if kv.dtype == torch.bfloat16 else None
-    return stand_in or f"Triton kernel ({why})"
+    if kv.dtype == torch.bfloat16 and gluon_misfit(q) is None:
+        return _stand_in(why)
+    return f"Triton kernel ({why})"
 
 
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -220,12 +223,12 @@ def sparse_attention_cached_backend(q: Tensor) -> str:
         mod = flash_mla_module()
         assert mod is not None
         return f"FlashMLA sparse prefill over a bf16 workspace (sgl-flash-mla {_version(mod)})"
-    stand_in = _stand_in(why, q)
-    if stand_in is not None:
-        return f"{stand_in} over a bf16 workspace"
+    gluon_why = gluon_misfit(q)
+    if gluon_why is None:
+        return f"{_stand_in(why)} over a bf16 workspace"
     if _flashmla_off():
         return f"Triton cached kernel ({why})"
-    return f"{TRITON_OVER_WORKSPACE} (FlashMLA: {why}; Gluon: {gluon_misfit(q)})"
+    return f"{TRITON_OVER_WORKSPACE} (FlashMLA: {why}; Gluon: {gluon_why})"
 
 
 # The portable path where neither FlashMLA nor Gluon runs: the Triton cached kernel's math over
@@ -273,9 +276,11 @@ def sparse_attention_cached(
     comp_rows: Tensor | None = None,
 ) -> Tensor:
     """Twin of ops.attention.sparse_attention_cached on CUDA: FlashMLA's sparse prefill over a
-    chunk-bounded bf16 workspace where FlashMLA takes the query, else the Triton cached kernel
-    (said once in the log, with the reason). `workspace_rows` = (SWA rows, compressed rows): upper
-    bounds on the distinct rows the indices name (the layer knows them from the batch).
+    chunk-bounded bf16 workspace where FlashMLA takes the query, else the Gluon kernel over it on
+    Hopper, else the Triton cached kernel over a workspace in the model dtype, or on the caches
+    under `DSV4CP_FLASHMLA=off` (said once in the log, with the reasons). `workspace_rows` =
+    (SWA rows, compressed rows): upper bounds on the distinct rows the indices name (the layer
+    knows them from the batch).
     `workspace_memo`: a one-chunk workspace is kept there and reused by a later call with the
     same index tensors, or the same `comp_rows` (`build_workspace`). `comp_rows` [N]: every
     compressed cache row the batch has (its entries'; `comp_indices` name no other row): where a
@@ -295,6 +300,31 @@ def sparse_attention_cached(
         attend, dtype = triton_over_workspace(swa_indices.shape[1], quant), q.dtype
     else:
         attend, dtype = _workspace_kernel(backend), torch.bfloat16
+    return over_workspace(attend, dtype, q, swa, swa_indices, comp, comp_indices, sink, scale,
+                          swa_format, comp_format, workspace_rows=workspace_rows,
+                          workspace_memo=workspace_memo, comp_rows=comp_rows)  # fmt: skip
+
+
+def over_workspace(
+    attend: Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor],
+    dtype: torch.dtype,
+    q: Tensor,
+    swa: Tensor,
+    swa_indices: Tensor,
+    comp: Tensor | None,
+    comp_indices: Tensor | None,
+    sink: Tensor,
+    scale: float,
+    swa_format: str,
+    comp_format: str,
+    *,
+    workspace_rows: tuple[int, int] | None = None,
+    workspace_memo: WorkspaceMemo | None = None,
+    comp_rows: Tensor | None = None,
+) -> Tensor:
+    """`attend` (a kernel over one dense source and indices) over the workspace of the rows the
+    indices name, decoded into `dtype`, per chunk of query rows within the budget
+    (`sparse_attention_cached`'s arguments; the backend already chosen)."""
     sources = workspace_sources(swa, swa_indices, comp, comp_indices, swa_format, comp_format,
                                 workspace_rows, comp_rows)  # fmt: skip
     d = q.shape[2]
