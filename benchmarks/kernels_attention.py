@@ -163,12 +163,13 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
 
 
 def bench_workspace() -> None:
-    """`flashmla.build_workspace` for one index layer's chunk at Flash shapes: 16K queries, the
-    SWA window (128 per row) over the chunk's SWA rows and the top-k (512 per row) over a ratio-2
-    cache of 8K entries, qat formats; the rows' numbering by the Triton kernels (shipped) and by
-    their torch twins (`ops.workspace_rows`: marks by `scatter_reduce`, not the `index_fill_`
-    into a sink row that the CUDA path ran before the kernels), same decode, same outputs."""
-    from dsv4cp.kernels import flashmla
+    """`attention_workspace.build_workspace` for one index layer's chunk at Flash shapes: 16K
+    queries, the SWA window (128 per row) over the chunk's SWA rows and the top-k (512 per row)
+    over a ratio-2 cache of 8K entries, qat formats; the rows' numbering by the Triton kernels
+    (shipped) and by their torch twins (`ops.workspace_rows`: marks by `scatter_reduce`, not the
+    `index_fill_` into a sink row that the CUDA path ran before the kernels), same decode, same
+    outputs."""
+    from dsv4cp.kernels import attention_workspace
     from dsv4cp.ops import workspace_rows as ops_rows
     from dsv4cp.ops.kv_format import encode_rows
 
@@ -185,22 +186,22 @@ def bench_workspace() -> None:
     swa_idx = (rows - torch.arange(win, device=common.DEV)[None, :]).clamp(min=-1).int()
     comp_idx = torch.randint(0, n_comp, (t, top), device=common.DEV, generator=gen).int()
     comp_idx = torch.where(comp_idx > rows // 2, -1, comp_idx)
-    src = flashmla.workspace_sources(swa, swa_idx, comp, comp_idx, "fp8_ue8m0_32", "fp8_ue8m0_32",
-                                     (n_swa, n_comp))  # fmt: skip
+    src = attention_workspace.workspace_sources(swa, swa_idx, comp, comp_idx, "fp8_ue8m0_32",
+                                                "fp8_ue8m0_32", (n_swa, n_comp))  # fmt: skip
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return flashmla.build_workspace(src, slice(0, t), d, torch.bfloat16)
+        return attention_workspace.build_workspace(src, slice(0, t), d, torch.bfloat16)
 
     shape = f"T={t} K={win}+{top} N={n_swa}+{n_comp} D={d}"
     kv, idx = run()
     ms_kernel = _ms(run)
-    saved = flashmla.k_rows
-    flashmla.k_rows = ops_rows  # type: ignore[assignment] # the same functions, in torch
+    saved = attention_workspace.k_rows
+    attention_workspace.k_rows = ops_rows  # type: ignore[assignment] # the same functions, in torch
     try:
         kv_t, idx_t = run()
         ms_twin = _ms(run)
     finally:
-        flashmla.k_rows = saved
+        attention_workspace.k_rows = saved
     same = bool(torch.equal(idx, idx_t)) and bool(
         torch.equal(kv[idx[idx >= 0].long()], kv_t[idx_t[idx_t >= 0].long()])
     )

@@ -332,12 +332,12 @@ def triton_over_workspace(*a: Any, **kw: Any) -> torch.Tensor:
     kernel over a workspace"): the rows decoded once into a workspace (its build timed with
     it), then the Triton cached kernel's math over it — against the same kernel decoding on
     load (`attn_triton_cached_ms`, docs/performance.md §25)."""
-    from dsv4cp.kernels import flashmla
+    from dsv4cp.kernels import attention_workspace, flashmla
 
     q, win = a[0], a[2]
     quant = a[9] if len(a) > 9 else "none"
     attend = flashmla.triton_over_workspace(win.shape[1], quant)
-    return flashmla.over_workspace(attend, q.dtype, *a[:9], **kw)
+    return attention_workspace.over_workspace(attend, q.dtype, *a[:9], **kw)
 
 
 def attention_backend(q: torch.Tensor) -> str:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dsv4cp import ops, routing
-from dsv4cp.kernels import flashmla, indexer_topk
+from dsv4cp.kernels import attention_workspace, flashmla, indexer_topk
 from dsv4cp.kernels import indexer_topk_cached as fused
 from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 from dsv4cp.ops.kv_format import decode_rows, encode_rows
@@ -61,8 +61,10 @@ def _attention_inputs(t: int = 384, n_swa: int = 4096, n_comp: int = 2048, seed:
 
 def test_workspace_on_the_gpu_is_exact() -> None:
     q, swa, win, comp, top, sink = _attention_inputs()
-    sources = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None)
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), 512, torch.bfloat16)
+    sources = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None)
+    kv, idx = attention_workspace.build_workspace(
+        sources, slice(0, q.shape[0]), 512, torch.bfloat16
+    )
     keys = torch.cat([decode_rows(swa, FP8, 512), decode_rows(comp, FP4, 512)])
     both = torch.cat([win, torch.where(top >= 0, top + swa.shape[0], -1)], 1)
     v = both >= 0
@@ -90,12 +92,12 @@ def test_flashmla_over_the_workspace_matches_the_twin(quant: str) -> None:
     hint = (int(win[win >= 0].unique().numel()), int(top[top >= 0].unique().numel()))
     tight = flashmla.sparse_attention_cached(*args, workspace_rows=hint)
     assert torch.equal(tight, out), "the bound sizes the workspace, not the result"
-    saved = flashmla.WORKSPACE_BUDGET_BYTES
+    saved = attention_workspace.WORKSPACE_BUDGET_BYTES
     try:  # several chunks: each query row's result does not depend on its chunk
-        flashmla.WORKSPACE_BUDGET_BYTES = 2 << 20  # chunks of 48 rows
+        attention_workspace.WORKSPACE_BUDGET_BYTES = 2 << 20  # chunks of 48 rows
         assert torch.equal(flashmla.sparse_attention_cached(*args), out)
     finally:
-        flashmla.WORKSPACE_BUDGET_BYTES = saved
+        attention_workspace.WORKSPACE_BUDGET_BYTES = saved
 
 
 def _index_inputs(t: int, n: int, seed: int, qat: bool):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.kernels import flashmla
+from dsv4cp.kernels import attention_workspace, flashmla
 from dsv4cp.ops.workspace_rows import WorkspaceMemo
 from tests.gpu.test_fast_path import FP4, FP8, _attention_inputs, _needs_flashmla
 
@@ -34,11 +34,13 @@ def test_dense_rows_give_the_marked_attention_bit_for_bit(quant: str) -> None:
     marked = flashmla.sparse_attention_cached(*args)
     dense = flashmla.sparse_attention_cached(*args, comp_rows=listed)
     assert torch.equal(dense, marked)
-    sources = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), 512, torch.bfloat16)
+    sources = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
+    kv, idx = attention_workspace.build_workspace(
+        sources, slice(0, q.shape[0]), 512, torch.bfloat16
+    )
     assert kv.shape[0] == swa.shape[0] + listed.shape[0]  # every listed row, in list order
-    both = flashmla.build_workspace(
-        flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None),
+    both = attention_workspace.build_workspace(
+        attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None),
         slice(0, q.shape[0]), 512, torch.bfloat16,
     )  # fmt: skip
     w = win.shape[1]

@@ -63,7 +63,7 @@ def test_the_portable_route_over_a_workspace_is_the_cached_kernel(
     into a workspace and runs the cached kernel's math over it — bit-identical to the kernel on
     the caches (the decode is exact, as the dense case above shows), in one call or in chunks,
     and under CUDA-graph replay."""
-    from dsv4cp.kernels import flashmla
+    from dsv4cp.kernels import attention_workspace, flashmla
 
     monkeypatch.setattr(flashmla, "_module", [None])
     monkeypatch.setattr(flashmla, "_said", set())
@@ -87,10 +87,11 @@ def test_the_portable_route_over_a_workspace_is_the_cached_kernel(
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
-    monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", 1)  # chunks of MIN_CHUNK_ROWS
-    monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 64)
-    assert len(flashmla.chunks(200, flashmla.workspace_sources(*args[1:5], *args[7:9], None),
-                               1024)) > 1  # fmt: skip
+    # chunks of MIN_CHUNK_ROWS
+    monkeypatch.setattr(attention_workspace, "WORKSPACE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(attention_workspace, "MIN_CHUNK_ROWS", 64)
+    sources = attention_workspace.workspace_sources(*args[1:5], *args[7:9], None)
+    assert len(attention_workspace.chunks(200, sources, 1024)) > 1
     assert torch.equal(flashmla.sparse_attention_cached(*args), want)
 
 

@@ -189,7 +189,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         both numerics, in one call or in chunks."""
         from unittest import mock
 
-        from dsv4cp.kernels import flashmla
+        from dsv4cp.kernels import attention_workspace, flashmla
 
         q, swa_v, comp_v, si, ci, sink = _inputs(6, 4, 64, 40, 300, 16, 90, 6)
         swa = encode_rows(swa_v, "fp8_ue8m0_32", dense_dtype=torch.float32)
@@ -202,7 +202,9 @@ def _cases():  # noqa: C901 - one namespace of small check functions
                 args = (q, swa, si, c, c_idx, sink, 0.125, "fp8_ue8m0_32", "fp4_e4m3_16", quant)
                 want = sparse_attention_cached(*args)
                 assert torch.equal(flashmla.sparse_attention_cached(*args), want), quant
-                with mock.patch.multiple(flashmla, WORKSPACE_BUDGET_BYTES=1, MIN_CHUNK_ROWS=2):
+                with mock.patch.multiple(
+                    attention_workspace, WORKSPACE_BUDGET_BYTES=1, MIN_CHUNK_ROWS=2
+                ):
                     out = flashmla.sparse_attention_cached(*args)
                 assert torch.equal(out, want), (quant, "chunks")
 

@@ -2,7 +2,7 @@
 
 - `kv_decode.decode_gather`: chosen cache rows of every storage format decoded into a dense
   workspace, bit for bit `ops.kv_format.decode_rows` (rows with −1 untouched);
-- `flashmla.build_workspace` with that Triton decode (what the CUDA path runs);
+- `attention_workspace.build_workspace` with that Triton decode (what the CUDA path runs);
 - `workspace_rows.mark_rows` / `place_rows` / `remap_rows` (the workspace's row numbering) bit
   for bit `ops.workspace_rows`: −1, out-of-range and repeated indices, int32 and int64, a row
   slice, a column slice of the output, a bound below, at and above the count (`place_rows` also
@@ -61,7 +61,7 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
     import torch
 
     from dsv4cp import ops
-    from dsv4cp.kernels import flashmla
+    from dsv4cp.kernels import attention_workspace
     from dsv4cp.kernels import indexer_topk as kern  # the launcher; pick_route reads its limit
     from dsv4cp.kernels import indexer_topk_cached as kern_cached
     from dsv4cp.kernels.kv_decode import decode_gather
@@ -102,8 +102,10 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         )
         win = torch.randint(-1, 30, (5, 8), generator=g)
         top = torch.randint(-1, 20, (5, 6), generator=g)
-        src = flashmla.workspace_sources(swa, win, comp, top, "fp8_ue8m0_32", "fp4_e4m3_16", None)
-        kv, idx = flashmla.build_workspace(src, slice(1, 4), d, torch.bfloat16)
+        src = attention_workspace.workspace_sources(
+            swa, win, comp, top, "fp8_ue8m0_32", "fp4_e4m3_16", None
+        )
+        kv, idx = attention_workspace.build_workspace(src, slice(1, 4), d, torch.bfloat16)
         keys = torch.cat([decode_rows(swa, "fp8_ue8m0_32", d), decode_rows(comp, "fp4_e4m3_16", d)])
         both = torch.cat([win, torch.where(top >= 0, top + 30, -1)], 1)[1:4]
         v = both >= 0

@@ -1,4 +1,5 @@
-"""kernels/flashmla over the quantized caches, on the CPU with a fake `flash_mla`.
+"""kernels/flashmla over the quantized caches (its workspace: kernels/attention_workspace), on
+the CPU with a fake `flash_mla`.
 
 `sparse_attention_cached` on CUDA sends a query FlashMLA takes (H 64 / 128, D 512, bf16) to its
 sparse prefill over a bf16 workspace: the cache rows the chunk's indices name, each decoded once,
@@ -26,7 +27,7 @@ from dsv4cp.context import CrossLayer, ForwardContext
 from dsv4cp.cp.fake import FakeCPWorld
 from dsv4cp.cp.group import SingleCPGroup
 from dsv4cp.kernels import attention as triton_attention
-from dsv4cp.kernels import flashmla
+from dsv4cp.kernels import attention_workspace, flashmla
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.ops.kv_format import decode_rows, encode_rows
 from dsv4cp.ops.workspace_rows import WorkspaceMemo
@@ -80,8 +81,10 @@ def _distinct(idx: torch.Tensor) -> int:
 
 def test_workspace_holds_each_named_row_once_decoded_exactly() -> None:
     q, swa, win, comp, top, sink = _caches()
-    sources = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None)
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), 512, torch.bfloat16)
+    sources = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None)
+    kv, idx = attention_workspace.build_workspace(
+        sources, slice(0, q.shape[0]), 512, torch.bfloat16
+    )
     assert kv.dtype == torch.bfloat16 and idx.dtype == torch.int32
     assert idx.shape == (q.shape[0], win.shape[1] + top.shape[1])
     w = win.shape[1]
@@ -96,18 +99,22 @@ def test_workspace_holds_each_named_row_once_decoded_exactly() -> None:
     # one workspace row per distinct cache row, in row order, the SWA rows first
     assert _distinct(idx[:, :w]) == _distinct(win) and _distinct(idx[:, w:]) == _distinct(top)
     assert int(idx[:, :w].max()) == _distinct(win) - 1
-    bound = flashmla.chunk_bound(sources, q.shape[0])
+    bound = attention_workspace.chunk_bound(sources, q.shape[0])
     assert kv.shape[0] == bound == 90 + 70  # min(T·K, rows) per source
 
 
 def test_tight_bound_and_no_compressed_source() -> None:
     q, swa, win, comp, top, sink = _caches(seed=1)
     hint = (_distinct(win), _distinct(top))  # the exact counts are a valid bound
-    sources = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, hint)
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), 512, torch.bfloat16)
+    sources = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, hint)
+    kv, idx = attention_workspace.build_workspace(
+        sources, slice(0, q.shape[0]), 512, torch.bfloat16
+    )
     assert kv.shape[0] == sum(hint) and int(idx.max()) == sum(hint) - 1
-    sources = flashmla.workspace_sources(swa, win, None, None, FP8, FP4, (hint[0], 0))
-    kv, idx = flashmla.build_workspace(sources, slice(0, q.shape[0]), 512, torch.bfloat16)
+    sources = attention_workspace.workspace_sources(swa, win, None, None, FP8, FP4, (hint[0], 0))
+    kv, idx = attention_workspace.build_workspace(
+        sources, slice(0, q.shape[0]), 512, torch.bfloat16
+    )
     assert idx.shape == win.shape and kv.shape[0] == hint[0]
 
 
@@ -120,9 +127,10 @@ def test_flashmla_over_the_workspace_equals_the_cached_op(
     q, swa, win, comp, top, sink = _caches(seed=2)
     args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, quant)
     want = ops.sparse_attention_cached(*args)
-    for budget in (flashmla.WORKSPACE_BUDGET_BYTES, 1):  # 1 byte: chunks of MIN_CHUNK_ROWS
-        monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", budget)
-        monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 2)
+    # 1 byte: chunks of MIN_CHUNK_ROWS
+    for budget in (attention_workspace.WORKSPACE_BUDGET_BYTES, 1):
+        monkeypatch.setattr(attention_workspace, "WORKSPACE_BUDGET_BYTES", budget)
+        monkeypatch.setattr(attention_workspace, "MIN_CHUNK_ROWS", 2)
         out = flashmla.sparse_attention_cached(*args)
         assert out.dtype == torch.bfloat16 and torch.all(out[1] == 0)
         # the same keys in the same order; the -1 pad to 64 changes only the sums' grouping
@@ -157,8 +165,8 @@ def test_misfits_go_to_the_triton_kernel_over_a_workspace_said_once(
 
     monkeypatch.setattr(triton_attention, "sparse_attention_cached", fake_triton)
     if chunked:
-        monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", 1)
-        monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 2)
+        monkeypatch.setattr(attention_workspace, "WORKSPACE_BUDGET_BYTES", 1)
+        monkeypatch.setattr(attention_workspace, "MIN_CHUNK_ROWS", 2)
     caplog.set_level(logging.INFO, logger="dsv4cp.kernels")
     q, swa, win, comp, top, sink = _caches(h=4, seed=3)
     for quant in ("qat", "none"):
@@ -279,15 +287,16 @@ def test_layers_on_the_flashmla_path_equal_the_ops_path(
 
 
 def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of each cache `flashmla._decode` reads from, one entry per call, from now on."""
+    """The rows of each cache `attention_workspace._decode` reads from, one entry per call, from
+    now on."""
     decoded: list[int] = []
-    decode = flashmla._decode
+    decode = attention_workspace._decode
 
     def counted(cache, src, fmt, d, out):  # type: ignore[no-untyped-def]
         decoded.append(cache.shape[0])
         decode(cache, src, fmt, d, out)
 
-    monkeypatch.setattr(flashmla, "_decode", counted)
+    monkeypatch.setattr(attention_workspace, "_decode", counted)
     return decoded
 
 
@@ -303,34 +312,34 @@ def test_the_next_layer_reuses_the_numbering_and_decodes_only_its_own_cache(
     swa2 = encode_rows(torch.randn(90, 512), FP8, dense_dtype=torch.bfloat16)
     memo = WorkspaceMemo()
     rows = slice(0, q.shape[0])
-    first = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None)
-    kv, idx = flashmla.build_workspace(first, rows, 512, torch.bfloat16, memo=memo)
+    first = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None)
+    kv, idx = attention_workspace.build_workspace(first, rows, 512, torch.bfloat16, memo=memo)
     named_comp = idx[:, win.shape[1] :]
     named_comp = named_comp[named_comp >= 0].unique().long()
     comp_part = kv[named_comp].clone()
-    second = flashmla.workspace_sources(swa2, win, comp, top, FP8, FP4, None)
-    kv2, idx2 = flashmla.build_workspace(second, rows, 512, torch.bfloat16, memo=memo)
+    second = attention_workspace.workspace_sources(swa2, win, comp, top, FP8, FP4, None)
+    kv2, idx2 = attention_workspace.build_workspace(second, rows, 512, torch.bfloat16, memo=memo)
     assert kv2 is kv and idx2 is idx
     assert decoded == [90, 70, 90]  # both sources, then the new SWA cache only
-    fresh_kv, fresh_idx = flashmla.build_workspace(second, rows, 512, torch.bfloat16)
+    fresh_kv, fresh_idx = attention_workspace.build_workspace(second, rows, 512, torch.bfloat16)
     assert torch.equal(fresh_idx, idx2)
     named = idx2[idx2 >= 0].unique().long()
     assert torch.equal(kv2[named], fresh_kv[named])
     assert torch.equal(kv2[named_comp], comp_part)  # the same compressed cache: not re-decoded
     # the same caches again (fresh views): the SWA rows decoded again (a layer writes its SWA
     # cache before its attention), the compressed rows not
-    kv3, _ = flashmla.build_workspace(
-        flashmla.workspace_sources(swa2[:], win, comp, top, FP8, FP4, None), rows, 512,
+    kv3, _ = attention_workspace.build_workspace(
+        attention_workspace.workspace_sources(swa2[:], win, comp, top, FP8, FP4, None), rows, 512,
         torch.bfloat16, memo=memo,
     )  # fmt: skip
     assert kv3 is kv and torch.equal(kv3[named], fresh_kv[named])
     assert decoded == [90, 70, 90, 90, 70, 90]  # + the fresh build's two, then SWA only
     for sources, span in (
-        (flashmla.workspace_sources(swa2, win.clone(), comp, top, FP8, FP4, None), rows),
-        (flashmla.workspace_sources(swa2, win, comp, top, FP8, FP4, (80, 70)), rows),
+        (attention_workspace.workspace_sources(swa2, win.clone(), comp, top, FP8, FP4, None), rows),
+        (attention_workspace.workspace_sources(swa2, win, comp, top, FP8, FP4, (80, 70)), rows),
         (second, slice(0, q.shape[0] - 1)),
     ):
-        kv4, _ = flashmla.build_workspace(sources, span, 512, torch.bfloat16, memo=memo)
+        kv4, _ = attention_workspace.build_workspace(sources, span, 512, torch.bfloat16, memo=memo)
         assert kv4 is not kv
         kv = kv4
 
@@ -352,13 +361,13 @@ def test_layers_share_the_workspace_and_equal_the_ops_path(monkeypatch: pytest.M
     ctx = _context(cfg, [(20, 13), (0, 9), (37, 6)], quant="qat")
     x = torch.randn(ctx.meta.tokens.num_rows, cfg.hidden_size).bfloat16()
     marks: list[int] = []
-    numbered = flashmla.ops_rows.mark_rows
+    numbered = attention_workspace.ops_rows.mark_rows
 
     def counted(*a, **kw):  # type: ignore[no-untyped-def]
         marks.append(1)
         return numbered(*a, **kw)
 
-    monkeypatch.setattr(flashmla.ops_rows, "mark_rows", counted)
+    monkeypatch.setattr(attention_workspace.ops_rows, "mark_rows", counted)
     want = {}
     for i in ids:  # the ops path, its own context (no FlashMLA, no workspace)
         want[i] = layers[i].forward(x, ctx)

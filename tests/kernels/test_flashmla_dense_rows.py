@@ -1,5 +1,5 @@
-"""The FlashMLA workspace's dense numbering of the compressed source (`kernels/flashmla.py`), on
-the CPU with a fake `flash_mla`.
+"""The FlashMLA workspace's dense numbering of the compressed source
+(`kernels/attention_workspace.py`), on the CPU with a fake `flash_mla`.
 
 Where a chunk may name every compressed row of the batch (its bound is the batch's entries), the
 layer's list of those rows (`sparse_rows.comp_rows`) numbers the workspace instead of the marks:
@@ -18,7 +18,7 @@ import torch
 
 from dsv4cp import ops
 from dsv4cp.config import DeepseekV41Config
-from dsv4cp.kernels import flashmla
+from dsv4cp.kernels import attention_workspace, flashmla
 from dsv4cp.layers import sparse_rows
 from dsv4cp.ops import workspace_rows as ops_rows
 from dsv4cp.ops.kv_format import decode_rows, encode_rows
@@ -58,14 +58,14 @@ def test_dense_workspace_reads_the_same_keys_as_the_marked_one(drop: int) -> Non
     listed = _listed(comp, seed=4, drop=drop)
     top = torch.where(torch.isin(top, listed.long()), top, -1)  # name only listed rows
     rows = slice(0, q.shape[0])
-    marked = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None)
-    dense = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
+    marked = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None)
+    dense = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
     assert (
         dense[1][3] == listed.shape[0]
-        and flashmla._dense_lists(dense, [90, 70 - drop])[1] is listed
+        and attention_workspace._dense_lists(dense, [90, 70 - drop])[1] is listed
     )
-    kv_m, idx_m = flashmla.build_workspace(marked, rows, 512, torch.bfloat16)
-    kv_d, idx_d = flashmla.build_workspace(dense, rows, 512, torch.bfloat16)
+    kv_m, idx_m = attention_workspace.build_workspace(marked, rows, 512, torch.bfloat16)
+    kv_d, idx_d = attention_workspace.build_workspace(dense, rows, 512, torch.bfloat16)
     w = win.shape[1]
     assert torch.equal(idx_d[:, :w], idx_m[:, :w])  # the SWA source is numbered as before
     v = top >= 0
@@ -91,9 +91,11 @@ def test_dense_workspace_reads_the_same_keys_as_the_marked_one(drop: int) -> Non
 def test_a_chunk_that_cannot_name_every_listed_row_is_marked() -> None:
     """Chunks of 1 query row name at most K = 40 compressed rows < 70 listed: the marks."""
     q, swa, win, comp, top, sink = _caches(seed=5)
-    sources = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None, _listed(comp, 5))
+    sources = attention_workspace.workspace_sources(
+        swa, win, comp, top, FP8, FP4, None, _listed(comp, 5)
+    )
     bounds = [min(16, 90), min(40, 70)]
-    assert flashmla._dense_lists(sources, bounds) == [None, None]
+    assert attention_workspace._dense_lists(sources, bounds) == [None, None]
 
 
 def test_fake_flashmla_with_the_dense_list_equals_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,8 +105,9 @@ def test_fake_flashmla_with_the_dense_list_equals_the_op(monkeypatch: pytest.Mon
     args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, "qat")
     plain = flashmla.sparse_attention_cached(*args)
     assert torch.equal(flashmla.sparse_attention_cached(*args, comp_rows=listed), plain)
-    monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 2)  # chunks of 2 rows: 80 ≥ 70, dense
+    monkeypatch.setattr(attention_workspace, "WORKSPACE_BUDGET_BYTES", 1)
+    # chunks of 2 rows: 80 ≥ 70, dense
+    monkeypatch.setattr(attention_workspace, "MIN_CHUNK_ROWS", 2)
     assert torch.equal(flashmla.sparse_attention_cached(*args, comp_rows=listed), plain)
 
 
@@ -119,28 +122,30 @@ def test_a_new_topk_over_the_same_cache_remaps_without_decoding(
     q, swa, win, comp, top, sink = _caches(seed=7)
     top2 = torch.flip(top, [0])  # another top-k, the same rows' shapes
     listed, rows, memo = _listed(comp, 7), slice(0, q.shape[0]), WorkspaceMemo()
-    first = flashmla.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
-    kv, idx = flashmla.build_workspace(first, rows, 512, torch.bfloat16, memo=memo)
+    first = attention_workspace.workspace_sources(swa, win, comp, top, FP8, FP4, None, listed)
+    kv, idx = attention_workspace.build_workspace(first, rows, 512, torch.bfloat16, memo=memo)
     comp_part = kv[90:].clone()
     swa2 = encode_rows(torch.randn(90, 512), FP8, dense_dtype=torch.bfloat16)
-    second = flashmla.workspace_sources(swa2, win, comp, top2, FP8, FP4, None, listed)
-    kv2, idx2 = flashmla.build_workspace(second, rows, 512, torch.bfloat16, memo=memo)
+    second = attention_workspace.workspace_sources(swa2, win, comp, top2, FP8, FP4, None, listed)
+    kv2, idx2 = attention_workspace.build_workspace(second, rows, 512, torch.bfloat16, memo=memo)
     assert kv2 is kv and idx2 is idx
     assert decoded == [90, 70, 90]  # both sources, then the new SWA cache only
     assert torch.equal(kv2[90:], comp_part)
-    fresh_kv, fresh_idx = flashmla.build_workspace(second, rows, 512, torch.bfloat16)
+    fresh_kv, fresh_idx = attention_workspace.build_workspace(second, rows, 512, torch.bfloat16)
     assert torch.equal(idx2, fresh_idx)
     named = idx2[idx2 >= 0].unique().long()
     assert torch.equal(kv2[named], fresh_kv[named])
     comp2 = encode_rows(torch.randn(70, 512), FP4, dense_dtype=torch.bfloat16)
-    third = flashmla.workspace_sources(swa2, win, comp2, top, FP8, FP4, None, listed)
+    third = attention_workspace.workspace_sources(swa2, win, comp2, top, FP8, FP4, None, listed)
     decoded.clear()
-    kv3, idx3 = flashmla.build_workspace(third, rows, 512, torch.bfloat16, memo=memo)
+    kv3, idx3 = attention_workspace.build_workspace(third, rows, 512, torch.bfloat16, memo=memo)
     assert kv3 is kv and decoded == [90, 70]  # another compressed cache: decoded again
     assert torch.equal(kv3[90:].float(), decode_rows(comp2, FP4, 512)[listed.long()])
     assert torch.equal(idx3, idx)  # the first top-k's indices, remapped back
-    again = flashmla.workspace_sources(swa2, win, comp2, top, FP8, FP4, None, listed.clone())
-    kv4, _ = flashmla.build_workspace(again, rows, 512, torch.bfloat16, memo=memo)
+    again = attention_workspace.workspace_sources(
+        swa2, win, comp2, top, FP8, FP4, None, listed.clone()
+    )
+    kv4, _ = attention_workspace.build_workspace(again, rows, 512, torch.bfloat16, memo=memo)
     assert kv4 is not kv
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dsv4cp import env_vars, ops
 from dsv4cp.kernels import attention as triton_attention
-from dsv4cp.kernels import attention_gluon, flashmla
+from dsv4cp.kernels import attention_gluon, attention_workspace, flashmla
 from tests.kernels.test_flashmla_cached import FP4, FP8, _caches, _install
 from tests.kernels.test_flashmla_dispatch import FakeFlashMLA
 
@@ -50,9 +50,10 @@ def test_the_gluon_kernel_over_the_workspace_equals_the_cached_op(
     q, swa, win, comp, top, sink = _caches(seed=2)
     args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4)
     want = ops.sparse_attention_cached(*args)
-    for budget in (flashmla.WORKSPACE_BUDGET_BYTES, 1):  # 1 byte: chunks of MIN_CHUNK_ROWS
-        monkeypatch.setattr(flashmla, "WORKSPACE_BUDGET_BYTES", budget)
-        monkeypatch.setattr(flashmla, "MIN_CHUNK_ROWS", 2)
+    # 1 byte: chunks of MIN_CHUNK_ROWS
+    for budget in (attention_workspace.WORKSPACE_BUDGET_BYTES, 1):
+        monkeypatch.setattr(attention_workspace, "WORKSPACE_BUDGET_BYTES", budget)
+        monkeypatch.setattr(attention_workspace, "MIN_CHUNK_ROWS", 2)
         out = flashmla.sparse_attention_cached(*args)
         assert torch.all(out[1] == 0)  # the row with no key
         # the same keys in the same order: equal up to the sums' grouping

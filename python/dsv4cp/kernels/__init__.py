@@ -8,9 +8,9 @@ its kernels in `indexer_topk_scan`, `indexer_topk_merge` and `indexer_topk_gathe
 node over the index cache, through `indexer_topk`'s launcher), `attention` (the Triton
 sparse_attention and sparse_attention_cached), `flashmla` (sparse_attention and
 sparse_attention_cached: FlashMLA's sparse prefill where installed and the shape fits — over a
-bounded bf16 workspace for the caches — else `attention`), `norm_rope` (the shared fused
-norm/RoPE row kernel, with `fake_quant` and `precise_math`), `swa` (swa_key, swa_key_rows,
-store_swa_k) and `rope` (rope_index_queries, rope_tail_) on it,
+bounded bf16 workspace for the caches, built by `attention_workspace` — else `attention`),
+`norm_rope` (the shared fused norm/RoPE row kernel, with `fake_quant` and `precise_math`), `swa`
+(swa_key, swa_key_rows, store_swa_k) and `rope` (rope_index_queries, rope_tail_) on it,
 `compressor` (pair_pool, compressed_latent, compressed_key, index_key; the layer's fused
 writers compress_entries and store_index_keys), `kv_encode` (the jit quantizers and byte
 stores that write cache rows as codes + scales from inside `norm_rope`),

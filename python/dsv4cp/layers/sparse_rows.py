@@ -3,7 +3,8 @@
 `sparse_indices`: the int32 rows of the layer's SWA cache (the window) and, on compressed layers,
 of its kv source's compressed cache (the top-k entries), memoised in `ctx.cross.attention` for
 the later layers that read the same rows. `workspace_rows`: upper bounds on the distinct rows
-those indices name, from the batch's shapes (FlashMLA's bf16 workspace, `kernels/flashmla.py`).
+those indices name, from the batch's shapes (FlashMLA's bf16 workspace,
+`kernels/attention_workspace.py`).
 `comp_rows`: every compressed cache row of the batch's entries (the workspace's dense list).
 `workspace_memo`: the forward's kept workspace. `DeepseekV41Attention.attend` calls them with
 its role and window.
@@ -65,7 +66,7 @@ def workspace_rows(role: LayerRole, window: int, ctx: ForwardContext) -> tuple[i
     """Upper bounds, from the batch's shapes (no host sync), on the distinct SWA rows and
     compressed rows this rank's sparse indices name: each request's window reaches at most
     W − 1 positions before its new tokens, and the top-k entries are the ratio's workspace
-    entries. Sizes FlashMLA's bf16 workspace (`kernels/flashmla.py`)."""
+    entries. Sizes FlashMLA's bf16 workspace (`kernels/attention_workspace.py`)."""
     meta = ctx.meta
     t = meta.tokens.num_rows
     if meta.batch is not None:

@@ -105,9 +105,9 @@ def sparse_attention_cached(
     Equal to `sparse_attention` ("none") or `attention_quant.sparse_attention_qat` ("qat": the
     reference's block order and probability rounding) over the dequantized rows concatenated in
     that order. `workspace_rows` (SWA rows, compressed rows) bounds the distinct rows the
-    indices name, for the CUDA path's bf16 workspace (`kernels/flashmla.py`); unused here, as
-    are `workspace_memo` (where the CUDA path keeps that workspace for the next layer) and
-    `comp_rows` (the batch's compressed rows, that workspace's dense list).
+    indices name, for the CUDA path's bf16 workspace (`kernels/attention_workspace.py`); unused
+    here, as are `workspace_memo` (where the CUDA path keeps that workspace for the next layer)
+    and `comp_rows` (the batch's compressed rows, that workspace's dense list).
     """
     t, h, d = q.shape
     if sink.shape != (h,):

@@ -1,11 +1,12 @@
 """The workspace's row numbering for FlashMLA over the caches, in torch (twins of
 `dsv4cp.kernels.workspace_rows`).
 
-`kernels.flashmla.build_workspace` decodes each cache row that a chunk's indices name once into a
-dense workspace: `mark_rows` marks the named rows, a prefix sum of the marks counts them (a
-marked row's number is its count − 1: 0…n−1 in row order), `place_rows` lists each workspace
-row's cache row, and `remap_rows` rewrites each index as its row's number plus the source's
-offset in the workspace (−1 for an index outside the cache or a number past the workspace bound).
+`kernels.attention_workspace.build_workspace` decodes each cache row that a chunk's indices name
+once into a dense workspace: `mark_rows` marks the named rows, a prefix sum of the marks counts
+them (a marked row's number is its count − 1: 0…n−1 in row order), `place_rows` lists each
+workspace row's cache row, and `remap_rows` rewrites each index as its row's number plus the
+source's offset in the workspace (−1 for an index outside the cache or a number past the
+workspace bound).
 
 A source can also be numbered densely (`invert_rows`): every row of a given list (the batch's
 compressed entries) gets a workspace row, named or not, so the numbering does not depend on the
@@ -28,12 +29,12 @@ from torch import Tensor
 
 @dataclass
 class WorkspaceMemo:
-    """The last workspace `kernels.flashmla.build_workspace` built: per source the index tensor
-    it numbered, the cache it decoded and the format (`sources`), its row span in `kv` and the
-    cache row of each workspace row (`spans`, `src`); per densely numbered source the row list
-    and its inversion (`dense`, `number`; None for a source numbered from its indices); the
-    remapped indices and the query rows. One entry: a build that fits no held numbering
-    replaces it."""
+    """The last workspace `kernels.attention_workspace.build_workspace` built: per source the
+    index tensor it numbered, the cache it decoded and the format (`sources`), its row span in
+    `kv` and the cache row of each workspace row (`spans`, `src`); per densely numbered source
+    the row list and its inversion (`dense`, `number`; None for a source numbered from its
+    indices); the remapped indices and the query rows. One entry: a build that fits no held
+    numbering replaces it."""
 
     sources: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (base, bound) in kv
