@@ -18,6 +18,7 @@ from dsv4cp.kernels.attention_gluon import (
     gluon_attention_available,
     sparse_attention_gluon,
 )
+from dsv4cp.kernels.attention_gluon_ws import WS_CONFIG, WS_CONFIGS, sparse_attention_gluon_ws
 
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
@@ -30,9 +31,9 @@ def _key(name: str) -> str:
 
 
 def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
-    """`gluon_ws`: also time the warp-specialised Gluon kernels (docs/performance.md §25: (64, 2)
-    correct and no faster than the pipelined one; (32, 4) not yet run on a GPU — its GPU test
-    runs it under a time limit first)."""
+    """On Hopper: the pipelined Gluon configurations and the routed warp-specialised one;
+    `gluon_ws` adds the other warp-specialised configuration and the tile-order variants
+    (docs/performance.md §26)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
     kv = torch.randn(n, d, device=common.DEV).bfloat16()
@@ -87,17 +88,16 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
             f"gluon sm_90 {cfg}": functools.partial(sparse_attention_gluon, config=cfg)
             for cfg in PIPELINED_CONFIGS
         }
+        # (config, tile order): the routed kernel (kernels/flashmla), then the other variants
+        ws_rows = [(WS_CONFIG, False)]
         if gluon_ws:
-            from dsv4cp.kernels.attention_gluon_ws import sparse_attention_gluon_ws
-
-            gluon["gluon ws sm_90"] = sparse_attention_gluon_ws
-            gluon["gluon ws sm_90 tile-order"] = functools.partial(
-                sparse_attention_gluon_ws, tile_order=True
+            others = [(cfg, order) for cfg in WS_CONFIGS for order in (False, True)]
+            ws_rows += [row for row in others if row != ws_rows[0]]
+        for cfg, order in ws_rows:
+            label = f"gluon ws sm_90 {cfg}" + " tile-order" * order
+            gluon[label] = functools.partial(
+                sparse_attention_gluon_ws, tile_order=order, config=cfg
             )
-            for order in (False, True):  # (32, 4): a round in flight while the last is consumed
-                gluon["gluon ws sm_90 (32, 4)" + (" tile-order" if order else "")] = (
-                    functools.partial(sparse_attention_gluon_ws, tile_order=order, config=(32, 4))
-                )
         ref_v41 = ops.sparse_attention(q, kv, idx_v41, sink, scale)
         for name, fn in gluon.items():
             for label, ix, want in (("", idx, ref), (", V4.1 -1 rows", idx_v41, ref_v41)):

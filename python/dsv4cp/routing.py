@@ -40,11 +40,12 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits_cached": (ops.mqa_logits_cached, "dsv4cp.kernels.indexer_logits_cached"),
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
     # FlashMLA's sparse prefill where installed and the shape fits, else (DSV4CP_GLUON_ATTENTION)
-    # kernels.attention_gluon on Hopper, else kernels.attention.
+    # kernels.attention_gluon_ws on Hopper, else kernels.attention.
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
     # FlashMLA over a chunk-bounded bf16 workspace where it fits, else (DSV4CP_GLUON_ATTENTION)
-    # the Gluon kernel over it on Hopper, else the Triton kernel over a workspace in the model
-    # dtype; DSV4CP_FLASHMLA=off: the Triton kernel on the caches (decode on load).
+    # the warp-specialised Gluon kernel over it on Hopper, else the Triton kernel over a
+    # workspace in the model dtype; DSV4CP_FLASHMLA=off: the Triton kernel on the caches (decode
+    # on load).
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),
     "swa_key": (ops.swa_key, "dsv4cp.kernels.swa"),
     "store_swa_k": (ops.store_swa_k, "dsv4cp.kernels.swa"),

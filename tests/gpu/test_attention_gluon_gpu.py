@@ -71,14 +71,16 @@ def _kernel(request: pytest.FixtureRequest, name: str):  # type: ignore[no-untyp
         request.getfixturevalue("ws_terminates")
         config = (32, 4) if name.startswith("ws32x4") else (64, 2)
         return functools.partial(
-            sparse_attention_gluon_ws, tile_order=name.endswith("tile-order"), config=config
+            sparse_attention_gluon_ws,
+            tile_order=name.endswith("tile-order"),
+            config=config,
         )
     block_n, nbuf = (int(x) for x in name[2:].split("x"))
     return functools.partial(sparse_attention_gluon, config=(block_n, nbuf))
 
 
-NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws", "ws-tile-order"]
-NAMES += ["ws32x4", "ws32x4-tile-order"]  # WS_CONFIGS' second
+NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws64x2", "ws64x2-tile-order"]
+NAMES += ["ws32x4", "ws32x4-tile-order"]  # WS_CONFIGS' (32, 4), the routed one
 KERNELS = pytest.mark.parametrize("name", NAMES)
 
 
@@ -174,7 +176,8 @@ def test_the_routed_gluon_path_over_the_workspace(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(flashmla.ENV_FLAG, "off")
     monkeypatch.setenv(flashmla.GLUON_ENV, "on")
     q, swa, win, comp, top, sink = _attention_inputs(seed=11)
-    assert flashmla.sparse_attention_cached_backend(q).startswith("Gluon sm_90 kernel")
+    backend = flashmla.sparse_attention_cached_backend(q)
+    assert backend.startswith("Gluon sm_90 warp-specialised kernel")
     args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, "none")
     out = flashmla.sparse_attention_cached(*args)
     assert torch.all(out[1] == 0), "a row with no key gives 0"

@@ -60,7 +60,8 @@ def _compiled(which: str, config: tuple[int, int] | None = None) -> object:
             from dsv4cp.kernels import attention_gluon_ws
 
             return attention_gluon_ws.compile_ws_for_hopper(
-                tile_order=which == "ws-tile-order", config=config or attention_gluon_ws.WS_CONFIG
+                tile_order=which == "ws-tile-order",
+                config=config or attention_gluon_ws.WS_CONFIG,
             )
         return ag.compile_for_hopper(*(config or ag.PIPELINED_CONFIG))
     except (ImportError, RuntimeError) as exc:  # no CUDA backend in this triton build

@@ -1,10 +1,13 @@
 """The warp-specialised Gluon sparse attention for Hopper (sm_90): one query per program, 64
 heads × 512, three warpgroups —
 
-- a loader (4 warps) gathers the query and then the kv tiles (64 rows each) by cp.async into two
-  shared buffers, and signals each tile on an mbarrier once every loader thread's copies landed;
+- a loader (4 warps) gathers the query and then the kv tiles (BN rows each) by cp.async into
+  NBUF shared buffers — (BN, NBUF) = (32, 4) by default, (64, 2) the other configuration; each
+  loader thread's copies arrive on the tile's mbarrier when they land
+  (cp.async.mbarrier.arrive.noinc), so the loader never waits for its own copies and up to NBUF
+  tiles are in flight;
 - two math warpgroups take the tiles in turn: warpgroup w computes s = q·kᵀ on tiles w, w+2, …
-  (one 64×64 score tile per warpgroup, no duplicated product), the two exchange their rows'
+  (one 64×BN score tile per warpgroup, no duplicated product), the two exchange their rows'
   maxima through shared memory, each rounds its p to bf16 and publishes it, and each then
   accumulates its half of the 512 output columns over both tiles of the round: its own p from
   registers, the other's from shared memory.
@@ -34,10 +37,11 @@ from dsv4cp.kernels.attention_gluon import (
 MAXNREG = 168
 MATH_REGS = 224
 LOAD_REGS = 56
-# (keys per tile, kv buffers). (64, 2) ran on the H100 (correct, as fast as the pipelined (64, 2),
-# §25): a round's two loads wait until the previous round is consumed. (32, 4) keeps a round
-# in flight while the last is consumed (200 KB of shared memory); not yet run on a GPU.
-WS_CONFIG = (64, 2)
+# (keys per tile, kv buffers). (32, 4) keeps a round in flight while the last is consumed
+# (206 KB of shared memory); with the copies arriving on their own barriers it leads every Gluon
+# and Triton kernel (H100, docs/performance.md §26). (64, 2): a round's two loads wait until the
+# previous round is consumed.
+WS_CONFIG = (32, 4)
 WS_CONFIGS = ((64, 2), (32, 4))
 
 if HAVE_GLUON:
@@ -73,13 +77,10 @@ if HAVE_GLUON:
             b = i % NBUF
             mbarrier.wait(free.index(b), ((i // NBUF) & 1) ^ 1)  # tile i-NBUF consumed, or none
             _issue_tile(kv_ptr, idx_row, kv_smem.index(b), i * BN, N, K, stride_kvn, BN, D, LD)
-            async_copy.commit_group()
-            # announced before the loader waits again: the math warpgroups need tile i to
-            # free tile i-1's partner buffer (waiting first would deadlock them at 3+ tiles)
-            async_copy.wait_group(0)
-            _cta_barrier()
-            fence_async_shared()
-            mbarrier.arrive(ready.index(b), count=1)
+            # each loader thread's copies arrive on ready[b] when they land (.noinc: the
+            # barrier counts the loader's 128 threads), so up to NBUF tiles are in flight and
+            # the loader never waits for its own copies (the math side fences before reading)
+            async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
     def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
@@ -210,7 +211,7 @@ if HAVE_GLUON:
         free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=128)  # the loader's 4 warps' copies land
             mbarrier.init(free.index(i), count=2)  # both math warpgroups read every tile
         mbarrier.init(bars.index(0), count=1)  # q_ready
         for i in gl.static_range(1, 4):
@@ -271,14 +272,18 @@ def sparse_attention_gluon_ws(
     `tile_order`: each math warpgroup does a round's two p·v in tile order rather than its own
     tile first, so the round's first buffer is freed half a round sooner (a variant to time).
     `config`: (keys per tile, kv buffers), one of WS_CONFIGS."""
-    if config not in WS_CONFIGS:
-        raise ValueError(
-            f"sparse_attention_gluon_ws: config must be one of {WS_CONFIGS}, got {config}"
-        )
+    _check_config(config)
     return launch_per_query(_sparse_attention_ws_kernel, q, kv, indices, sink, scale,
                             BN=config[0], NBUF=config[1], TILE_ORDER=tile_order,
                             MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
                             maxnreg=MAXNREG)  # fmt: skip
+
+
+def _check_config(config: tuple[int, int]) -> None:
+    if config not in WS_CONFIGS:
+        raise ValueError(
+            f"sparse_attention_gluon_ws: config must be one of {WS_CONFIGS}, got {config}"
+        )
 
 
 def compile_ws_for_hopper(
@@ -289,6 +294,7 @@ def compile_ws_for_hopper(
     config: tuple[int, int] = WS_CONFIG,
 ) -> object:
     """The warp-specialised kernel compiled for sm_90 without a GPU (tests)."""
+    _check_config(config)
     return compile_for_sm90(
         _sparse_attention_ws_kernel,
         dict(num_warps=4, maxnreg=maxnreg),
