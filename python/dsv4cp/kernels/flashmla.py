@@ -33,6 +33,7 @@ keeps the Triton kernels, the cached one on the caches in place: the reference's
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 from collections.abc import Callable
@@ -147,31 +148,49 @@ def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str
     return None
 
 
-def sparse_attention_backend(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str:
-    """The backend `sparse_attention` uses for these inputs, with its reason when it is Triton."""
+class Backend(enum.Enum):
+    """The sparse-attention backends this module chooses between (the log line names them)."""
+
+    FLASHMLA = "FlashMLA sparse prefill"
+    GLUON = "the Gluon sm_90 warp-specialised kernel"
+    TRITON = "the Triton kernel (dense rows)"
+    TRITON_CACHED = "the Triton cached kernel on the caches"
+    TRITON_OVER_WORKSPACE = "the Triton cached kernel over a workspace"
+
+
+def _choice(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> tuple[Backend, str]:
+    """`sparse_attention`'s backend for these inputs and its log description (with the reason
+    where it is not FlashMLA)."""
     why = flashmla_misfit(q, kv, indices, sink)
     if why is None:
         mod = flash_mla_module()
         assert mod is not None
-        return f"FlashMLA sparse prefill (sgl-flash-mla {_version(mod)})"
+        return Backend.FLASHMLA, f"FlashMLA sparse prefill (sgl-flash-mla {_version(mod)})"
     if kv.dtype == torch.bfloat16 and gluon_misfit(q) is None:
-        return _stand_in(why)
-    return f"Triton kernel ({why})"
+        return Backend.GLUON, _stand_in(why)
+    return Backend.TRITON, f"Triton kernel ({why})"
+
+
+def sparse_attention_backend(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str:
+    """The backend `sparse_attention` uses for these inputs, with its reason when it is Triton."""
+    return _choice(q, kv, indices, sink)[1]
 
 
 def sparse_attention(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
     """FlashMLA's sparse prefill where it fits, else the Triton kernel: [T, H, D] in q.dtype."""
     triton_attention.check_sparse_attention(q, kv, indices, sink)
-    backend = sparse_attention_backend(q, kv, indices, sink)
-    _say_once(f"sparse attention: {backend}")
-    if backend.startswith("Triton"):
+    backend, description = _choice(q, kv, indices, sink)
+    _say_once(f"sparse attention: {description}")
+    if backend is Backend.TRITON:
         return triton_attention.sparse_attention(q, kv, indices, sink, scale)
     return _workspace_kernel(backend)(q, kv, indices, sink, scale)
 
 
-def _workspace_kernel(backend: str) -> Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]:
-    """The kernel over one dense bf16 source that `backend` names: FlashMLA or the Gluon one."""
-    return _flashmla if backend.startswith("FlashMLA") else _gluon
+def _workspace_kernel(
+    backend: Backend,
+) -> Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]:
+    """The kernel over one dense bf16 source: FlashMLA's or the Gluon one."""
+    return _flashmla if backend is Backend.FLASHMLA else _gluon
 
 
 def _gluon(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -207,19 +226,28 @@ def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
 # ----------------------------------------------------------------- over the quantized caches
 
 
-def sparse_attention_cached_backend(q: Tensor) -> str:
-    """The backend `sparse_attention_cached` uses for this query, with its reason when Triton."""
+def _cached_choice(q: Tensor) -> tuple[Backend, str]:
+    """`sparse_attention_cached`'s backend for this query and its log description."""
     why = _query_misfit(q)
     if why is None:
         mod = flash_mla_module()
         assert mod is not None
-        return f"FlashMLA sparse prefill over a bf16 workspace (sgl-flash-mla {_version(mod)})"
+        return Backend.FLASHMLA, (
+            f"FlashMLA sparse prefill over a bf16 workspace (sgl-flash-mla {_version(mod)})"
+        )
     gluon_why = gluon_misfit(q)
     if gluon_why is None:
-        return f"{_stand_in(why)} over a bf16 workspace"
+        return Backend.GLUON, f"{_stand_in(why)} over a bf16 workspace"
     if _flashmla_off():
-        return f"Triton cached kernel ({why})"
-    return f"{TRITON_OVER_WORKSPACE} (FlashMLA: {why}; Gluon: {gluon_why})"
+        return Backend.TRITON_CACHED, f"Triton cached kernel ({why})"
+    return Backend.TRITON_OVER_WORKSPACE, (
+        f"{TRITON_OVER_WORKSPACE} (FlashMLA: {why}; Gluon: {gluon_why})"
+    )
+
+
+def sparse_attention_cached_backend(q: Tensor) -> str:
+    """The backend `sparse_attention_cached` uses for this query, with its reason when Triton."""
+    return _cached_choice(q)[1]
 
 
 # The portable path where neither FlashMLA nor Gluon runs: the Triton cached kernel's math over
@@ -280,14 +308,14 @@ def sparse_attention_cached(
     triton_attention.check_sparse_attention_cached(
         q, swa, swa_indices, comp, comp_indices, sink, swa_format, comp_format
     )
-    backend = sparse_attention_cached_backend(q)
-    _say_once(f"sparse attention: {backend}")
-    if backend.startswith("Triton cached"):
+    backend, description = _cached_choice(q)
+    _say_once(f"sparse attention: {description}")
+    if backend is Backend.TRITON_CACHED:
         return triton_attention.sparse_attention_cached(
             q, swa, swa_indices, comp, comp_indices, sink, scale, swa_format, comp_format, quant
         )
     check_quant_mode(quant)  # FlashMLA's order (and Gluon's) is one for both modes
-    if backend.startswith(TRITON_OVER_WORKSPACE):  # the decode is exact in the model dtype
+    if backend is Backend.TRITON_OVER_WORKSPACE:  # the decode is exact in the model dtype
         attend, dtype = triton_over_workspace(swa_indices.shape[1], quant), q.dtype
     else:
         attend, dtype = _workspace_kernel(backend), torch.bfloat16
