@@ -145,3 +145,7 @@ def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(
     default = 3 * ws.MAXNREG - ws.MATH_REGS - ws.LOAD_REGS
     assert 128 * (default + ws.MATH_REGS + ws.LOAD_REGS) <= REGS_PER_SM
     assert f".maxnreg {ws.MAXNREG}" in ptx
+    # the loader never waits for its own tile copies (§26): each thread's copies arrive on the
+    # tile's barrier; the one wait_group left is the query's, before the loop
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared") == 1
+    assert len(re.findall(r"cp\.async\.wait_group", ptx)) == 1
