@@ -175,9 +175,9 @@ _TABLE = (
         _choice("auto", "on", "off", "1", "0", "true", "false", "yes", "no"),
         "auto",
         "where FlashMLA does not run, the warp-specialised Gluon sm_90 sparse attention over "
-        "FlashMLA's bf16 "
-        "workspace (Hopper, 64 heads x 512, bf16) instead of the Triton kernel: auto "
-        "where FlashMLA is not installed or does not fit, but not under DSV4CP_FLASHMLA=off; "
+        "FlashMLA's bf16 workspace (Hopper, 64 heads x 512, bf16) instead of the Triton "
+        "kernel: auto where FlashMLA is not installed or does not fit, but not under "
+        "DSV4CP_FLASHMLA=off; "
         "on (1/true/yes) there too; off (0/false/no) never",
     ),
     EnvVar(

@@ -109,11 +109,8 @@ if HAVE_GLUON:
             ph = r & 1
             mine = 2 * r + WG
             other = 2 * r + 1 - WG
-            if NBUF == 2:  # buffer = warpgroup, use = round: the code the H100 ran (§25)
-                b_mine, b_other, ph_mine, ph_other = WG, 1 - WG, ph, ph
-            else:
-                b_mine, b_other = mine % NBUF, other % NBUF
-                ph_mine, ph_other = (mine // NBUF) & 1, (other // NBUF) & 1
+            b_mine, b_other = mine % NBUF, other % NBUF  # with two buffers: WG, 1 − WG
+            ph_mine, ph_other = (mine // NBUF) & 1, (other // NBUF) & 1  # with two: ph
             ok = (idx >= 0) & (idx < N)
             # the next round's indices, loaded a round ahead: off the round's critical path at
             # the layer (4.5 % there; 1.6 % slower on the benchmark's contiguous indices, §26)
@@ -146,10 +143,7 @@ if HAVE_GLUON:
                 for b in gl.static_range(2):
                     tile = 2 * r + b
                     if tile < n_tiles:
-                        if NBUF == 2:
-                            buf, use = b, ph
-                        else:
-                            buf, use = tile % NBUF, (tile // NBUF) & 1
+                        buf, use = tile % NBUF, (tile // NBUF) & 1
                         v = kv_smem.index(buf).slice(WG * HALF, HALF, dim=1)
                         if b == WG:
                             o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
