@@ -18,7 +18,14 @@ from dsv4cp.kernels.attention_gluon import (
     gluon_attention_available,
     sparse_attention_gluon,
 )
-from dsv4cp.kernels.attention_gluon_ws import WS_CONFIG, WS_CONFIGS, sparse_attention_gluon_ws
+from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
+from dsv4cp.kernels.attention_gluon_ws import (
+    WS_CONFIG,
+    WS_CONFIGS,
+    WS_SCHEDULE,
+    WS_SCHEDULES,
+    sparse_attention_gluon_ws,
+)
 
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
@@ -88,16 +95,15 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
             f"gluon sm_90 {cfg}": functools.partial(sparse_attention_gluon, config=cfg)
             for cfg in PIPELINED_CONFIGS
         }
-        # (config, tile order): the routed kernel (kernels/flashmla), then the other variants
-        ws_rows = [(WS_CONFIG, False)]
+        # (config, schedule): the routed kernel (kernels/flashmla), then the other variants
+        ws_rows = [(WS_CONFIG, WS_SCHEDULE)]
         if gluon_ws:
-            others = [(cfg, order) for cfg in WS_CONFIGS for order in (False, True)]
+            others = [(cfg, sch) for cfg in WS_CONFIGS for sch in WS_SCHEDULES]
             ws_rows += [row for row in others if row != ws_rows[0]]
-        for cfg, order in ws_rows:
-            label = f"gluon ws sm_90 {cfg}" + " tile-order" * order
-            gluon[label] = functools.partial(
-                sparse_attention_gluon_ws, tile_order=order, config=cfg
-            )
+        gluon["gluon halves sm_90 (64, 2)"] = sparse_attention_gluon_halves
+        for cfg, sch in ws_rows:
+            label = f"gluon ws sm_90 {cfg}" + f" {sch}" * (sch != WS_SCHEDULE)
+            gluon[label] = functools.partial(sparse_attention_gluon_ws, schedule=sch, config=cfg)
         ref_v41 = ops.sparse_attention(q, kv, idx_v41, sink, scale)
         for name, fn in gluon.items():
             for label, ix, want in (("", idx, ref), (", V4.1 -1 rows", idx_v41, ref_v41)):

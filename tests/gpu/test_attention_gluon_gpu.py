@@ -25,6 +25,7 @@ from dsv4cp.kernels.attention_gluon import (
     gluon_attention_available,
     sparse_attention_gluon,
 )
+from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
 from dsv4cp.kernels.attention_gluon_ws import sparse_attention_gluon_ws
 
 pytestmark = [
@@ -33,7 +34,7 @@ pytestmark = [
 ]
 H, D = 64, 512
 WS_SMOKE_TIMEOUT_S = (
-    300  # four compiles and 16 launches; a hang is a deadlock in the mbarrier protocol
+    300  # seven compiles and 31 launches; a hang is a deadlock in the mbarrier protocol
 )
 
 
@@ -44,14 +45,23 @@ def ws_terminates() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from dsv4cp.kernels.attention_gluon_ws import WS_CONFIGS, sparse_attention_gluon_ws
+        from dsv4cp.kernels.attention_gluon_ws import (
+            WS_CONFIGS, WS_SCHEDULES, sparse_attention_gluon_ws,
+        )
+        from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
+        for k in (1, 64, 100, 128, 130, 640, 5120):
+            q = torch.randn(3, 64, 512, device="cuda").bfloat16()
+            kv = torch.randn(900, 512, device="cuda").bfloat16()
+            idx = torch.randint(0, 900, (3, k), device="cuda", dtype=torch.int32)
+            sparse_attention_gluon_halves(q, kv, idx, torch.zeros(64, device="cuda"), 0.04)
+            torch.cuda.synchronize()
         for k, config in [(k, c) for c in WS_CONFIGS for k in (64, 130, 640, 5120)]:
             q = torch.randn(3, 64, 512, device="cuda").bfloat16()
             kv = torch.randn(900, 512, device="cuda").bfloat16()
             idx = torch.randint(0, 900, (3, k), device="cuda", dtype=torch.int32)
-            for order in (False, True):
+            for schedule in WS_SCHEDULES:
                 sparse_attention_gluon_ws(
-                    q, kv, idx, torch.zeros(64, device="cuda"), 0.04, tile_order=order,
+                    q, kv, idx, torch.zeros(64, device="cuda"), 0.04, schedule=schedule,
                     config=config,
                 )
                 torch.cuda.synchronize()
@@ -67,12 +77,15 @@ def ws_terminates() -> None:
 
 
 def _kernel(request: pytest.FixtureRequest, name: str):  # type: ignore[no-untyped-def]
+    if name == "halves":
+        request.getfixturevalue("ws_terminates")
+        return sparse_attention_gluon_halves
     if name.startswith("ws"):
         request.getfixturevalue("ws_terminates")
         config = (32, 4) if name.startswith("ws32x4") else (64, 2)
         return functools.partial(
             sparse_attention_gluon_ws,
-            tile_order=name.endswith("tile-order"),
+            schedule=name.partition("-")[2] or "own-first",
             config=config,
         )
     block_n, nbuf = (int(x) for x in name[2:].split("x"))
@@ -81,6 +94,7 @@ def _kernel(request: pytest.FixtureRequest, name: str):  # type: ignore[no-untyp
 
 NAMES = [f"bn{b}x{n}" for b, n in PIPELINED_CONFIGS] + ["ws64x2", "ws64x2-tile-order"]
 NAMES += ["ws32x4", "ws32x4-tile-order"]  # WS_CONFIGS' (32, 4), the routed one
+NAMES += ["ws32x4-seesaw", "ws64x2-seesaw", "halves"]
 KERNELS = pytest.mark.parametrize("name", NAMES)
 
 

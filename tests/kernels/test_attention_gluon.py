@@ -60,7 +60,7 @@ def _compiled(which: str, config: tuple[int, int] | None = None) -> object:
             from dsv4cp.kernels import attention_gluon_ws
 
             return attention_gluon_ws.compile_ws_for_hopper(
-                tile_order=which == "ws-tile-order",
+                schedule=which.removeprefix("ws-") if "-" in which else "own-first",
                 config=config or attention_gluon_ws.WS_CONFIG,
             )
         return ag.compile_for_hopper(*(config or ag.PIPELINED_CONFIG))
@@ -120,7 +120,7 @@ def test_no_shared_buffer_is_rewritten_under_the_other_warpgroups_wgmma(
     assert _unguarded_writes(re.sub(r"bar\.sync\s+0;", "", ptx))
 
 
-@pytest.mark.parametrize("which", ["ws", "ws-tile-order"])
+@pytest.mark.parametrize("which", ["ws", "ws-tile-order", "ws-seesaw"])
 @pytest.mark.parametrize("config", [(64, 2), (32, 4)], ids=["bn64x2", "bn32x4"])
 def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(
     which: str, config: tuple[int, int]
@@ -137,8 +137,9 @@ def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(
     block_n, nbuf = config
     assert shapes.count(f"m64n{block_n}k16") == 2 * 512 // 16
     assert shapes.count("m64n256k16") == 2 * 2 * block_n // 16
-    # one ready and one free barrier per buffer, plus q_ready and the m, p, l exchanges
-    assert len(re.findall(r"mbarrier\.init", ptx)) == 2 * nbuf + 4
+    # one ready and one free barrier per buffer, plus q_ready and the exchanges' five (m, p, l;
+    # the seesaw's m_a, m_b, p_a, p_b, l)
+    assert len(re.findall(r"mbarrier\.init", ptx)) == 2 * nbuf + 6
     granted = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert ws.MATH_REGS in granted
     # three warpgroups of 128 threads share the register file: what they ask must fit
@@ -149,3 +150,29 @@ def test_the_warp_specialised_kernel_fits_and_its_registers_can_be_granted(
     # tile's barrier; the one wait_group left is the query's, before the loop
     assert ptx.count("cp.async.mbarrier.arrive.noinc.shared") == 1
     assert len(re.findall(r"cp\.async\.wait_group", ptx)) == 1
+
+
+def test_the_half_buffer_kernel_fits_and_its_registers_can_be_granted() -> None:
+    if not ag.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from dsv4cp.kernels import attention_gluon_halves as hv
+
+    try:
+        kernel = hv.compile_halves_for_hopper()
+    except (ImportError, RuntimeError) as exc:
+        if "backend" in str(exc).lower():
+            pytest.skip(f"triton cannot target CUDA here: {exc}")
+        raise
+    assert int(kernel.metadata.shared) <= HOPPER_SMEM
+    ptx = kernel.asm["ptx"]
+    # q·kᵀ on 64-key tiles, p·v into 256 columns: no other MMA shape
+    assert set(_mma_shapes(ptx)) == {"m64n64k16", "m64n256k16"}
+    # four halves' ready and free barriers, then q_ready, m_a, m_b, p_a, p_b, l
+    assert len(re.findall(r"mbarrier\.init", ptx)) == 4 + 4 + 6
+    # each half's copies arrive on its own barrier (.noinc); the only wait_group is the query's
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared") == 4
+    assert len(re.findall(r"cp\.async\.wait_group", ptx)) == 1
+    granted = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert hv.MATH_REGS in granted
+    default = 3 * hv.MAXNREG - hv.MATH_REGS - hv.LOAD_REGS
+    assert 128 * (default + hv.MATH_REGS + hv.LOAD_REGS) <= REGS_PER_SM

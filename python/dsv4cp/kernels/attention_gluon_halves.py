@@ -1,0 +1,345 @@
+"""The half-buffer Gluon sparse attention for Hopper (sm_90): FlashMLA's sm_90 sparse-prefill
+schedule (deepseek-ai/FlashMLA, csrc/sm90/prefill/sparse, read, not copied) written in Gluon
+over this package's interface — one query per program, 64 heads × 512, three warpgroups:
+
+- 64-key tiles in two kv buffers: round r's tile A = 2r in buffer 0 (math warpgroup 0's), tile
+  B = 2r + 1 in buffer 1 (warpgroup 1's). Each buffer is loaded and freed in halves (columns
+  0–255 "L", 256–511 "R"), each half with its own ready and free barrier, in the order the
+  math side frees them: A_L, B_R, A_R, B_L;
+- warpgroup w computes s = q·kᵀ of its own tile (both halves), and accumulates output columns
+  half w over both tiles — warpgroup 0 reads only the L halves as v, warpgroup 1 only the R
+  halves, so each half is freed by one warpgroup: A_L and B_L by warpgroup 0, B_R and A_R by
+  warpgroup 1;
+- the maxima are chained as in the ws kernel's seesaw schedule (kernels/attention_gluon_ws.py):
+  warpgroup 0 takes m_a from its tile and goes on to p_A·v_A(L) while warpgroup 1 takes
+  m_b = max(m_a, rowmax s_B); warpgroup 0 then rescales by 2^(m_a − m_b) and publishes p_A at
+  m_b;
+- warpgroup 0 computes the next round's q·kᵀ (L half, then R) right after its last p·v, so its
+  next maximum is ready while warpgroup 1 finishes the round (queuing it asynchronously behind
+  that p·v, as FlashMLA does, measured 1 % slower: docs/performance.md §27).
+
+The math is the Triton kernel's (kernels/attention.py; twin ops.attention.sparse_attention):
+the sink starts the running max and the running sum at e^0; −1 and out-of-range indices are
+masked; a row with no valid key gives 0; p is rounded to bf16 for p·v (warpgroup 0's own p at
+its m_a, the published one at m_b).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dsv4cp.kernels.attention_gluon import HAVE_GLUON, compile_for_sm90, launch_per_query
+
+# Registers a thread: the launch's limit, then what `setmaxnreg` gives the second math
+# warpgroup and the loader (the first, Gluon's default partition, gets 3·168 − 232 − 40 = 232).
+# Triton 3.6 sm_90 compile: the loader fits 40 without a spill.
+MAXNREG = 168
+MATH_REGS = 232
+LOAD_REGS = 40
+BLOCK_N = 64  # keys per tile
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from dsv4cp.kernels.attention_gluon import _cta_barrier, _rescale, _sink_start, _write_half
+
+    # the four halves' barrier slots: buffer b's half h is b·2 + h
+    A_L = gl.constexpr(0)
+    A_R = gl.constexpr(1)
+    B_L = gl.constexpr(2)
+    B_R = gl.constexpr(3)
+
+    @gluon.jit
+    def _copy_half(kv_ptr, idx, buf, col0, N, stride_kvn, HALF: gl.constexpr, LD: gl.constexpr):
+        """cp.async of one tile half's gathered rows (−1 and out-of-range rows zero-filled)."""
+        ok = (idx >= 0) & (idx < N)
+        cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, LD))
+        ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kvn + cols[None, :]
+        async_copy.async_copy_global_to_shared(buf, ptrs, mask=ok[:, None])
+
+    @gluon.jit
+    def _loader(q_row, kv_ptr, idx_row, q_smem, kv_smem, ready, free, q_ready, N, K, stride_qh,
+                stride_kvn, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+        """The query, then each round's four halves, each announced on its ready barrier when
+        the loader's 128 threads' copies land (.noinc); round r is phase r & 1."""
+        HALF: gl.constexpr = D // 2
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
+        qcols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_row + heads[:, None] * stride_qh + qcols[None, :]
+        )
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _cta_barrier()
+        fence_async_shared()
+        mbarrier.arrive(q_ready, count=1)
+        # 8 threads a row (128 B each), 4 rows a warp: 4 indices a thread
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
+        n_tiles = gl.cdiv(K, BN)
+        for r in range(gl.cdiv(n_tiles, 2)):
+            ph = (r & 1) ^ 1  # the previous round's use freed, or none
+            offs_a = 2 * r * BN + rows
+            idx_a = gl.load(idx_row + offs_a, mask=offs_a < K, other=-1)
+            offs_b = offs_a + BN
+            idx_b = gl.load(idx_row + offs_b, mask=offs_b < K, other=-1)
+            has_b = 2 * r + 1 < n_tiles
+            buf_a = kv_smem.index(0)
+            buf_b = kv_smem.index(1)
+            mbarrier.wait(free.index(A_L), ph)
+            _copy_half(kv_ptr, idx_a, buf_a.slice(0, HALF, dim=1), 0, N, stride_kvn, HALF, LD)
+            async_copy.mbarrier_arrive(ready.index(A_L), increment_count=False)
+            if has_b:
+                mbarrier.wait(free.index(B_R), ph)
+                _copy_half(kv_ptr, idx_b, buf_b.slice(HALF, HALF, dim=1), HALF, N, stride_kvn,
+                           HALF, LD)  # fmt: skip
+                async_copy.mbarrier_arrive(ready.index(B_R), increment_count=False)
+            mbarrier.wait(free.index(A_R), ph)
+            _copy_half(kv_ptr, idx_a, buf_a.slice(HALF, HALF, dim=1), HALF, N, stride_kvn, HALF,
+                       LD)  # fmt: skip
+            async_copy.mbarrier_arrive(ready.index(A_R), increment_count=False)
+            if has_b:
+                mbarrier.wait(free.index(B_L), ph)
+                _copy_half(kv_ptr, idx_b, buf_b.slice(0, HALF, dim=1), 0, N, stride_kvn, HALF,
+                           LD)  # fmt: skip
+                async_copy.mbarrier_arrive(ready.index(B_L), increment_count=False)
+
+    @gluon.jit
+    def _issue_qk(
+        q_smem,
+        kv,
+        ready,
+        first: gl.constexpr,
+        ph,
+        S_L: gl.constexpr,
+        H: gl.constexpr,
+        BN: gl.constexpr,
+        HALF: gl.constexpr,
+    ):
+        """Queue s = q·kᵀ over a tile's two halves, `first` half first (0: L), each once its
+        half has landed: the asynchronous accumulator."""
+        mbarrier.wait(ready.index(first), ph)
+        fence_async_shared()
+        q0 = q_smem.slice(first % 2 * HALF, HALF, dim=1)
+        k0 = kv.slice(first % 2 * HALF, HALF, dim=1).permute((1, 0))
+        s = warpgroup_mma(q0, k0, gl.zeros([H, BN], gl.float32, S_L), use_acc=False, is_async=True)
+        second: gl.constexpr = first + 1 - 2 * (first % 2)
+        mbarrier.wait(ready.index(second), ph)
+        fence_async_shared()
+        q1 = q_smem.slice(second % 2 * HALF, HALF, dim=1)
+        k1 = kv.slice(second % 2 * HALF, HALF, dim=1).permute((1, 0))
+        return warpgroup_mma(q1, k1, s, is_async=True)
+
+    @gluon.jit
+    def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
+              q_ready, ma_bar, mb_bar, p0_bar, p1_bar, l_bar, N, K, qk_scale, stride_oh,
+              WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
+              BN: gl.constexpr):  # fmt: skip
+        """Math warpgroup WG: q·kᵀ on its buffer's tiles; output columns [WG·D/2, (WG+1)·D/2)."""
+        HALF: gl.constexpr = D // 2
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
+        O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
+        m, l_one = _sink_start(sink_ptr, H, ROWS)
+        l_own = gl.zeros([H], gl.float32, ROWS)
+        o = gl.zeros([H, HALF], gl.float32, O_L)
+        s_zero = gl.zeros([H, BN], gl.float32, S_L)
+        n_tiles = gl.cdiv(K, BN)
+        key_cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+        idx = gl.load(idx_row + WG * BN + key_cols, mask=WG * BN + key_cols < K, other=-1)
+        mbarrier.wait(q_ready, 0)
+        s = s_zero
+        if WG == 0:
+            if n_tiles > 0:  # round 0's q·kᵀ; later rounds' are queued a round ahead
+                s = warpgroup_mma_wait(0, deps=[_issue_qk(q_smem.index(0), kv_smem.index(0),
+                                                          ready, A_L, 0, S_L, H, BN,
+                                                          HALF)])  # fmt: skip
+        for r in range(gl.cdiv(n_tiles, 2)):
+            ph = r & 1
+            # z = 0, opaque to the compiler: the shared-memory descriptors stay in the loop
+            # (hoisted, q·kᵀ's 64 of them spill: docs/performance.md §27)
+            z = r // (n_tiles + 1)
+            q_z = q_smem.index(z)
+            kv_a = kv_smem.index(z)
+            kv_b = kv_smem.index(z + 1)
+            v_a = kv_a.slice(WG * HALF, HALF, dim=1)  # warpgroup 0: A_L, B_L; 1: A_R, B_R
+            v_b = kv_b.slice(WG * HALF, HALF, dim=1)
+            has_b = 2 * r + 1 < n_tiles
+            ok = (idx >= 0) & (idx < N)
+            offs = (2 * r + 2 + WG) * BN + key_cols  # the next round's indices
+            idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+            if WG == 0:  # tile A, always present
+                s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
+                m_a = gl.maximum(m, gl.max(s, 1))
+                m_smem.index(0).store(m_a)
+                mbarrier.arrive(ma_bar, count=1)
+                alpha, p = _rescale(s, m, m_a)
+                l_own = l_own * alpha + gl.sum(p, 1)
+                l_one = l_one * alpha
+                o = o * gl.convert_layout(alpha, O_ROWS)[:, None]
+                pb = p.to(gl.bfloat16)  # only the bf16 p stays live (registers)
+                o = warpgroup_mma(gl.convert_layout(pb, P_L), v_a, o)
+                mbarrier.arrive(free.index(A_L), count=1)
+                mbarrier.wait(mb_bar, ph)
+                m_b = m_smem.index(1).load(ROWS)
+                c = gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))  # 0 if both −∞
+                p_smem.index(0).store((pb.to(gl.float32) * c[:, None]).to(gl.bfloat16))  # at m_b
+                fence_async_shared()
+                mbarrier.arrive(p0_bar, count=1)
+                l_own = l_own * c
+                l_one = l_one * c
+                o = o * gl.convert_layout(c, O_ROWS)[:, None]
+                m = m_b
+                mbarrier.wait(p1_bar, ph)
+                if has_b:
+                    mbarrier.wait(ready.index(B_L), ph)
+                    o = warpgroup_mma(p_smem.index(1), v_b, o)
+                    mbarrier.arrive(free.index(B_L), count=1)
+                    if 2 * r + 2 < n_tiles:  # the next round's tile A
+                        s = warpgroup_mma_wait(0, deps=[_issue_qk(q_z, kv_a, ready, A_L, ph ^ 1,
+                                                                  S_L, H, BN, HALF)])  # fmt: skip
+            else:  # tile B, absent in an odd count's last round; tile A always present
+                if has_b:
+                    s = warpgroup_mma_wait(0, deps=[_issue_qk(q_z, kv_b, ready, B_R, ph,
+                                                              S_L, H, BN, HALF)])  # fmt: skip
+                else:
+                    s = s_zero
+                s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
+                mbarrier.wait(ma_bar, ph)
+                m_b = gl.maximum(m_smem.index(0).load(ROWS), gl.max(s, 1))
+                m_smem.index(1).store(m_b)
+                mbarrier.arrive(mb_bar, count=1)
+                alpha, p = _rescale(s, m, m_b)
+                l_own = l_own * alpha + gl.sum(p, 1)
+                l_one = l_one * alpha
+                m = m_b
+                pb = p.to(gl.bfloat16)
+                o = o * gl.convert_layout(alpha, O_ROWS)[:, None]
+                if has_b:
+                    o = warpgroup_mma(gl.convert_layout(pb, P_L), v_b, o)
+                    mbarrier.arrive(free.index(B_R), count=1)
+                p_smem.index(1).store(pb)
+                fence_async_shared()
+                mbarrier.arrive(p1_bar, count=1)
+                mbarrier.wait(p0_bar, ph)
+                mbarrier.wait(ready.index(A_R), ph)
+                o = warpgroup_mma(p_smem.index(0), v_a, o)
+                mbarrier.arrive(free.index(A_R), count=1)
+        _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG, H, HALF, ROWS, O_L)
+
+    @gluon.jit
+    def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
+                   p_smem, m_smem, l_smem, ready, free, bars, N, K, qk_scale, stride_qh,
+                   stride_kvn, stride_oh, H: gl.constexpr, D: gl.constexpr,
+                   BN: gl.constexpr):  # fmt: skip
+        """Roles 0 and 1: the math warpgroups; role 2: the loader (one signature for all)."""
+        if ROLE == 2:
+            _loader(q_row, kv_ptr, idx_row, q_smem.index(0), kv_smem, ready, free, bars.index(0),
+                    N, K, stride_qh, stride_kvn, H, D, BN)  # fmt: skip
+        else:
+            _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
+                  free, bars.index(0), bars.index(1), bars.index(2), bars.index(3),
+                  bars.index(4), bars.index(5), N, K, qk_scale, stride_oh, ROLE, H, D,
+                  BN)  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
+    def _sparse_attention_halves_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, N, K, qk_scale,
+        stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+        H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+        MATH_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+    ):  # fmt: skip
+        t = gl.program_id(0).to(gl.int64)
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.bfloat16)
+        KV_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+        P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16)
+        V_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, H, D], Q_SL)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], KV_SL)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, BN], P_SL)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
+        ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(ready.index(i), count=128)  # the loader's 4 warps' copies land
+            mbarrier.init(free.index(i), count=1)  # one math warpgroup reads each half last
+        # q_ready, m_a, m_b, p_a, p_b: one arrive each; l: both warpgroups
+        for i in gl.static_range(5):
+            mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bars.index(5), count=2)
+        q_row = q_ptr + t * stride_qt
+        idx_row = idx_ptr + t * stride_it
+        out_row = out_ptr + t * stride_ot
+        gl.warp_specialize(
+            [
+                (
+                    _partition,
+                    (
+                        gl.constexpr(ROLE),
+                        q_row,
+                        kv_ptr,
+                        sink_ptr,
+                        out_row,
+                        idx_row,
+                        q_smem,
+                        kv_smem,
+                        p_smem,
+                        m_smem,
+                        l_smem,
+                        ready,
+                        free,
+                        bars,
+                        N,
+                        K,
+                        qk_scale,
+                        stride_qh,
+                        stride_kvn,
+                        stride_oh,
+                        H,
+                        D,
+                        BN,
+                    ),
+                )
+                for ROLE in (0, 1, 2)
+            ],
+            [4, 4],
+            [MATH_REGS, LOAD_REGS],
+        )
+
+
+def sparse_attention_gluon_halves(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
+) -> Tensor:
+    """The half-buffer Gluon twin of ops.attention.sparse_attention at the Flash shape."""
+    return launch_per_query(_sparse_attention_halves_kernel, q, kv, indices, sink, scale,
+                            BN=BLOCK_N, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
+                            maxnreg=MAXNREG)  # fmt: skip
+
+
+def compile_halves_for_hopper() -> object:
+    """The half-buffer kernel compiled for sm_90 without a GPU (tests)."""
+    return compile_for_sm90(
+        _sparse_attention_halves_kernel,
+        dict(num_warps=4, maxnreg=MAXNREG),
+        BN=BLOCK_N,
+        MATH_REGS=MATH_REGS,
+        LOAD_REGS=LOAD_REGS,
+    )
