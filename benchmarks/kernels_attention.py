@@ -38,9 +38,9 @@ def _key(name: str) -> str:
 
 
 def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
-    """On Hopper: the pipelined Gluon configurations and the routed warp-specialised one;
-    `gluon_ws` adds the other warp-specialised configuration and the tile-order variants
-    (docs/performance.md §26)."""
+    """On Hopper: the pipelined Gluon configurations, the routed half-buffer kernel and the
+    warp-specialised one; `gluon_ws` adds the other warp-specialised configuration and
+    schedules (docs/performance.md §26, §27)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
     kv = torch.randn(n, d, device=common.DEV).bfloat16()

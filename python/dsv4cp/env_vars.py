@@ -174,7 +174,7 @@ _TABLE = (
         "DSV4CP_GLUON_ATTENTION",
         _choice("auto", "on", "off", "1", "0", "true", "false", "yes", "no"),
         "auto",
-        "where FlashMLA does not run, the warp-specialised Gluon sm_90 sparse attention over "
+        "where FlashMLA does not run, the half-buffer Gluon sm_90 sparse attention over "
         "FlashMLA's bf16 workspace (Hopper, 64 heads x 512, bf16) instead of the Triton "
         "kernel: auto where FlashMLA is not installed or does not fit, but not under "
         "DSV4CP_FLASHMLA=off; "

@@ -40,10 +40,10 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "mqa_logits_cached": (ops.mqa_logits_cached, "dsv4cp.kernels.indexer_logits_cached"),
     "topk_indices": (ops.topk_indices, "dsv4cp.kernels.topk"),
     # FlashMLA's sparse prefill where installed and the shape fits, else (DSV4CP_GLUON_ATTENTION)
-    # kernels.attention_gluon_ws on Hopper, else kernels.attention.
+    # kernels.attention_gluon_halves on Hopper, else kernels.attention.
     "sparse_attention": (ops.sparse_attention, "dsv4cp.kernels.flashmla"),
     # FlashMLA over a chunk-bounded bf16 workspace where it fits, else (DSV4CP_GLUON_ATTENTION)
-    # the warp-specialised Gluon kernel over it on Hopper, else the Triton kernel over a
+    # the half-buffer Gluon kernel over it on Hopper, else the Triton kernel over a
     # workspace in the model dtype; DSV4CP_FLASHMLA=off: the Triton kernel on the caches (decode
     # on load).
     "sparse_attention_cached": (ops.sparse_attention_cached, "dsv4cp.kernels.flashmla"),

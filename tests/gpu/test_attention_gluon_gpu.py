@@ -191,7 +191,7 @@ def test_the_routed_gluon_path_over_the_workspace(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(flashmla.GLUON_ENV, "on")
     q, swa, win, comp, top, sink = _attention_inputs(seed=11)
     backend = flashmla.sparse_attention_cached_backend(q)
-    assert backend.startswith("Gluon sm_90 warp-specialised kernel")
+    assert backend.startswith("Gluon sm_90 half-buffer kernel")
     args = (q, swa, win, comp, top, sink, 512**-0.5, FP8, FP4, "none")
     out = flashmla.sparse_attention_cached(*args)
     assert torch.all(out[1] == 0), "a row with no key gives 0"

@@ -14,11 +14,16 @@ import torch
 
 from dsv4cp import env_vars, ops
 from dsv4cp.kernels import attention as triton_attention
-from dsv4cp.kernels import attention_gluon, attention_gluon_ws, attention_workspace, flashmla
+from dsv4cp.kernels import (
+    attention_gluon,
+    attention_gluon_halves,
+    attention_workspace,
+    flashmla,
+)
 from tests.kernels.test_flashmla_cached import FP4, FP8, _caches, _install
 from tests.kernels.test_flashmla_dispatch import FakeFlashMLA
 
-STAND_IN = "Gluon sm_90 warp-specialised kernel (FlashMLA: flash_mla is not installed)"
+STAND_IN = "Gluon sm_90 half-buffer kernel (FlashMLA: flash_mla is not installed)"
 
 
 @pytest.fixture
@@ -35,7 +40,7 @@ def gluon(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     monkeypatch.setattr(flashmla, "_said", set())
     monkeypatch.setattr(flashmla, "_capability", lambda x: (9, 0))
     monkeypatch.setattr(attention_gluon, "HAVE_GLUON", True)
-    monkeypatch.setattr(attention_gluon_ws, "sparse_attention_gluon_ws", fake)
+    monkeypatch.setattr(attention_gluon_halves, "sparse_attention_gluon_halves", fake)
     monkeypatch.delenv(flashmla.ENV_FLAG, raising=False)
     monkeypatch.delenv(flashmla.GLUON_ENV, raising=False)
     return calls
@@ -140,7 +145,7 @@ def test_flashmla_wins_where_it_runs(
     assert "DSV4CP_FLASHMLA=off keeps the Triton kernels" in (flashmla.gluon_misfit(q) or "")
     monkeypatch.setenv(flashmla.GLUON_ENV, "on")  # on: the Gluon kernel stands in there too
     assert flashmla.sparse_attention_cached_backend(q) == (
-        "Gluon sm_90 warp-specialised kernel (FlashMLA: DSV4CP_FLASHMLA=off) over a bf16 workspace"
+        "Gluon sm_90 half-buffer kernel (FlashMLA: DSV4CP_FLASHMLA=off) over a bf16 workspace"
     )
 
 

@@ -10,13 +10,14 @@ shorter rows are padded with -1 here), -1 or ≥ N = skip; attn_sink fp32 [H]. O
 the legacy kernels (`use_legacy=True`); on SM100 the current ones. The math is the op's: the sink
 adds e^{sink} to the softmax denominator with no value vector.
 
-Where FlashMLA does not run, the warp-specialised Gluon sm_90 kernel
-(`kernels/attention_gluon_ws.py`, its (32, 4) configuration) takes its place on Hopper at 64
-heads × 512 bf16: it takes what FlashMLA takes, one dense bf16 source and indices, so it reads
-the same workspace — 12.6× the Triton cached kernel at the layer and 1.12× the pipelined Gluon
-kernel that stood in before (H100, docs/performance.md §26). `DSV4CP_GLUON_ATTENTION`
-(`gluon_misfit`): auto, the default, does so where FlashMLA is not installed or does not take the
-query, but not under `DSV4CP_FLASHMLA=off`; on also there; off never.
+Where FlashMLA does not run, the half-buffer Gluon sm_90 kernel
+(`kernels/attention_gluon_halves.py`, FlashMLA's schedule in Gluon) takes its place on Hopper at
+64 heads × 512 bf16: it takes what FlashMLA takes, one dense bf16 source and indices, so it reads
+the same workspace — 0.76 of FlashMLA on the kernel benchmark, 1.05–1.08× the warp-specialised
+(32, 4) kernel that stood in before at the layer (H100, docs/performance.md §27).
+`DSV4CP_GLUON_ATTENTION` (`gluon_misfit`): auto, the default, does so where FlashMLA is not
+installed or does not take the query, but not under `DSV4CP_FLASHMLA=off`; on also there; off
+never.
 
 `sparse_attention` takes the dense bf16 rows attention reads. `sparse_attention_cached` (the
 layer's call, routed here) reads the caches in their storage formats: per chunk of query rows it
@@ -45,7 +46,7 @@ from torch import Tensor
 
 from dsv4cp import env_vars
 from dsv4cp.kernels import attention as triton_attention
-from dsv4cp.kernels import attention_gluon, attention_gluon_ws
+from dsv4cp.kernels import attention_gluon, attention_gluon_halves
 from dsv4cp.kernels.attention_workspace import over_workspace
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 from dsv4cp.ops.workspace_rows import WorkspaceMemo
@@ -133,7 +134,7 @@ def gluon_misfit(q: Tensor) -> str | None:
 
 def _stand_in(why: str) -> str:
     """The Gluon backend's name where FlashMLA does not run (`why`) and Gluon can."""
-    return f"Gluon sm_90 warp-specialised kernel (FlashMLA: {why})"
+    return f"Gluon sm_90 half-buffer kernel (FlashMLA: {why})"
 
 
 def flashmla_misfit(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> str | None:
@@ -152,7 +153,7 @@ class Backend(enum.Enum):
     """The sparse-attention backends this module chooses between (the log line names them)."""
 
     FLASHMLA = "FlashMLA sparse prefill"
-    GLUON = "the Gluon sm_90 warp-specialised kernel"
+    GLUON = "the Gluon sm_90 half-buffer kernel"
     TRITON = "the Triton kernel (dense rows)"
     TRITON_CACHED = "the Triton cached kernel on the caches"
     TRITON_OVER_WORKSPACE = "the Triton cached kernel over a workspace"
@@ -194,7 +195,7 @@ def _workspace_kernel(
 
 
 def _gluon(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
-    return attention_gluon_ws.sparse_attention_gluon_ws(q, kv, indices, sink, scale)
+    return attention_gluon_halves.sparse_attention_gluon_halves(q, kv, indices, sink, scale)
 
 
 def _flashmla(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
