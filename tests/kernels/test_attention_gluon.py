@@ -176,3 +176,23 @@ def test_the_half_buffer_kernel_fits_and_its_registers_can_be_granted() -> None:
     assert hv.MATH_REGS in granted
     default = 3 * hv.MAXNREG - hv.MATH_REGS - hv.LOAD_REGS
     assert 128 * (default + hv.MATH_REGS + hv.LOAD_REGS) <= REGS_PER_SM
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(config=(48, 3)), "config must be one of"),
+        (dict(schedule="seesaw-async"), "schedule must be one of"),
+    ],
+    ids=["config", "schedule"],
+)
+def test_the_warp_specialised_kernel_names_a_bad_variant(kwargs: dict, message: str) -> None:
+    """An unknown (keys, buffers) or schedule is refused before any compile or launch."""
+    if not ag.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from dsv4cp.kernels import attention_gluon_ws as ws
+
+    with pytest.raises(ValueError, match=message):
+        ws.sparse_attention_gluon_ws(*_inputs(), 0.04, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        ws.compile_ws_for_hopper(**kwargs)
