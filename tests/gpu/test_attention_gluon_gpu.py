@@ -1,10 +1,12 @@
 """The Gluon sparse attention kernels (kernels/attention_gluon.py at each of PIPELINED_CONFIGS,
-kernels/attention_gluon_ws.py) on a Hopper GPU against their twin,
+kernels/attention_gluon_ws.py at its configurations and schedules,
+kernels/attention_gluon_halves.py) on a Hopper GPU against their twin,
 ops.attention.sparse_attention, and against the Triton kernel, with the Triton kernel's
 tolerances (docs/performance.md §1, *Tolerances*): max |Δ| < 2e-2 and ‖Δ‖ / ‖ops‖ < 1e-2 (p is
-rounded to bf16 for p·v), exact zeros for rows with no valid index. The warp-specialised kernel
-first runs in a child process with a time limit (`ws_terminates`). The last test runs the routed
-path (`DSV4CP_GLUON_ATTENTION=on`: the Gluon kernel over FlashMLA's workspace). The CPU checks
+rounded to bf16 for p·v), exact zeros for rows with no valid index. The warp-specialised kernels
+(ws, half-buffer) first run in a child process with a time limit (`ws_terminates`). The last
+test runs the routed path (`DSV4CP_GLUON_ATTENTION=on`: the half-buffer kernel over FlashMLA's
+workspace). The CPU checks
 (compile for sm_90, the layouts, the argument errors): tests/kernels/test_attention_gluon.py."""
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ WS_SMOKE_TIMEOUT_S = (
 
 @pytest.fixture(scope="module")
 def ws_terminates() -> None:
-    """The warp-specialised kernel at 1, 3, 10 and 80 tiles in a child process with a time
-    limit: a deadlock fails here instead of hanging the suite."""
+    """The half-buffer kernel at 1 to 80 tiles (odd counts too), then the ws kernel's
+    configurations and schedules at 1, 3, 10 and 80 tiles, in a child process with a time limit:
+    a deadlock fails here instead of hanging the suite."""
     code = textwrap.dedent(
         """
         import torch

@@ -1,9 +1,9 @@
-"""The Gluon sparse attention kernels (kernels/attention_gluon.py, attention_gluon_ws.py) on the
-CPU: their argument errors, and their sm_90 compile — shared memory within Hopper's 227 KB, the
-score product issued once per key (no duplicated q·kᵀ across warpgroups, the Triton kernel's
-loss, docs/performance.md §1), and, for the warp-specialised kernel, register budgets that
-`setmaxnreg` can grant (more would hang the launch). Their numerics run on the GPU:
-tests/gpu/test_attention_gluon_gpu.py."""
+"""The Gluon sparse attention kernels (kernels/attention_gluon.py, attention_gluon_ws.py,
+attention_gluon_halves.py) on the CPU: their argument errors, and their sm_90 compile — shared
+memory within Hopper's 227 KB, the score product issued once per key (no duplicated q·kᵀ across
+warpgroups, the Triton kernel's loss, docs/performance.md §1), and, for the warp-specialised
+kernels, register budgets that `setmaxnreg` can grant (more would hang the launch). Their
+numerics run on the GPU: tests/gpu/test_attention_gluon_gpu.py."""
 
 from __future__ import annotations
 
