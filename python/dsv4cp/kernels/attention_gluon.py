@@ -104,6 +104,22 @@ if HAVE_GLUON:
         return gl.exp2(m - m_use), gl.exp2(s - m_use[:, None])
 
     @gluon.jit
+    def _load_query(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr, D: gl.constexpr,
+                    LD: gl.constexpr):  # fmt: skip
+        """The warp-specialised kernels' loader start: the query's [H, D] rows by cp.async, then,
+        once every loader thread's copies have landed, one arrive on q_ready."""
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
+        )
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _cta_barrier()
+        fence_async_shared()
+        mbarrier.arrive(q_ready, count=1)
+
+    @gluon.jit
     def _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG: gl.constexpr,
                     H: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
                     O_L: gl.constexpr):  # fmt: skip

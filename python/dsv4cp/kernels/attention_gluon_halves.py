@@ -49,7 +49,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dsv4cp.kernels.attention_gluon import _cta_barrier, _rescale, _sink_start, _write_half
+    from dsv4cp.kernels.attention_gluon import _load_query, _rescale, _sink_start, _write_half
 
     # the four halves' barrier slots: buffer b's half h is b·2 + h
     A_L = gl.constexpr(0)
@@ -72,16 +72,7 @@ if HAVE_GLUON:
         the loader's 128 threads' copies land (.noinc); round r is phase r & 1."""
         HALF: gl.constexpr = D // 2
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
-        qcols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_row + heads[:, None] * stride_qh + qcols[None, :]
-        )
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        _cta_barrier()
-        fence_async_shared()
-        mbarrier.arrive(q_ready, count=1)
+        _load_query(q_row, q_smem, q_ready, stride_qh, H, D, QL)
         # 8 threads a row (128 B each), 4 rows a warp: 4 indices a thread
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LD))

@@ -63,8 +63,8 @@ if HAVE_GLUON:
     )
 
     from dsv4cp.kernels.attention_gluon import (
-        _cta_barrier,
         _issue_tile,
+        _load_query,
         _rescale,
         _sink_start,
         _write_half,
@@ -77,16 +77,7 @@ if HAVE_GLUON:
         """The query, then every tile into buffer (tile % NBUF), each announced on
         ready[buffer]; use u of a buffer (tile // NBUF) is phase u & 1 of its barriers."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
-        )
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        _cta_barrier()
-        fence_async_shared()
-        mbarrier.arrive(q_ready, count=1)
+        _load_query(q_row, q_smem, q_ready, stride_qh, H, D, LD)
         for i in range(gl.cdiv(K, BN)):
             b = i % NBUF
             mbarrier.wait(free.index(b), ((i // NBUF) & 1) ^ 1)  # tile i-NBUF consumed, or none
