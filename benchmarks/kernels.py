@@ -33,12 +33,22 @@ SECTIONS = {
     "ceilings": lambda a: common.bench_ceilings(),
     "mqa": lambda a: kernels_indexer.bench_mqa(a.sweep),
     "topk": lambda a: kernels_indexer.bench_topk(),
-    "attn": lambda a: kernels_attention.bench_attention(a.sweep, a.gluon_ws),
+    "attn": lambda a: kernels_attention.bench_attention(a.sweep, a.gluon_ws, a.halves_regs),
     "rows": lambda a: kernels_rows.bench_rows(),
     "rope": lambda a: kernels_rows.bench_rope(),
     "workspace": lambda a: kernels_attention.bench_workspace(),
     "writers": lambda a: kernels_rows.bench_writers(),
 }
+
+
+def _reg_grants(text: str) -> list[tuple[int, int]]:
+    """ "232:40,208:48" → [(232, 40), (208, 48)]."""
+    try:
+        return [(int(m), int(n)) for m, n in (pair.split(":") for pair in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"want M:L pairs separated by commas, got {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         "--gluon-ws",
         action="store_true",
         help="attn: also time the other warp-specialised Gluon variants ((64, 2), schedules: §27)",
+    )
+    parser.add_argument(
+        "--halves-regs",
+        type=_reg_grants,
+        default=[],
+        metavar="M:L,...",
+        help="attn: also time the half-buffer kernel at these (second math warpgroup, loader) "
+        "register grants, e.g. 232:40,208:48 (§28)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"

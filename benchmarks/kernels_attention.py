@@ -32,15 +32,18 @@ ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
 def _key(name: str) -> str:
     """A JSON key for a kernel's ratio to FlashMLA: "gluon sm_90 (128, 1)" → gluon_sm_90_128x1."""
-    for a, b in ((" (", "_"), (", ", "x"), (")", ""), (" ", "_"), ("-", "_")):
+    for a, b in ((" (", "_"), (", ", "x"), (")", ""), (" ", "_"), ("-", "_"), ("/", "_")):
         name = name.replace(a, b)
     return f"{name}_over_flashmla"
 
 
-def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
+def bench_attention(
+    sweep: bool, gluon_ws: bool = False, halves_regs: list[tuple[int, int]] | None = None
+) -> None:
     """On Hopper: the pipelined Gluon configurations, the routed half-buffer kernel and the
     warp-specialised one; `gluon_ws` adds the other warp-specialised configuration and
-    schedules (docs/performance.md §26, §27)."""
+    schedules (docs/performance.md §26, §27); `halves_regs` adds the half-buffer kernel at other
+    (second math warpgroup, loader) register grants (§28)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
     kv = torch.randn(n, d, device=common.DEV).bfloat16()
@@ -101,6 +104,10 @@ def bench_attention(sweep: bool, gluon_ws: bool = False) -> None:
             others = [(cfg, sch) for cfg in WS_CONFIGS for sch in WS_SCHEDULES]
             ws_rows += [row for row in others if row != ws_rows[0]]
         gluon["gluon halves sm_90 (64, 2)"] = sparse_attention_gluon_halves
+        for math_regs, load_regs in halves_regs or []:
+            gluon[f"gluon halves sm_90 (64, 2) regs {math_regs}/{load_regs}"] = functools.partial(
+                sparse_attention_gluon_halves, math_regs=math_regs, load_regs=load_regs
+            )
         for cfg, sch in ws_rows:
             label = f"gluon ws sm_90 {cfg}" + f" {sch}" * (sch != WS_SCHEDULE)
             gluon[label] = functools.partial(sparse_attention_gluon_ws, schedule=sch, config=cfg)

@@ -196,3 +196,24 @@ def test_the_warp_specialised_kernel_names_a_bad_variant(kwargs: dict, message: 
         ws.sparse_attention_gluon_ws(*_inputs(), 0.04, **kwargs)
     with pytest.raises(ValueError, match=message):
         ws.compile_ws_for_hopper(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("math_regs", "load_regs", "name"),
+    [(230, 40, "math_regs"), (216, 16, "load_regs"), (200, 40, "the rest"), (264, 24, "math_regs")],
+    ids=["not-a-multiple-of-8", "loader-below-24", "rest-above-256", "math-above-256"],
+)
+def test_the_half_buffer_kernel_names_a_bad_register_grant(
+    math_regs: int, load_regs: int, name: str
+) -> None:
+    """A grant `setmaxnreg` cannot take (not a multiple of 8, outside [24, 256], or leaving the
+    first math warpgroup such a rest) is refused before any compile or launch."""
+    if not ag.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from dsv4cp.kernels import attention_gluon_halves as hv
+
+    with pytest.raises(ValueError, match=f"{name} must be a multiple of 8"):
+        hv.sparse_attention_gluon_halves(*_inputs(), 0.04, math_regs=math_regs, load_regs=load_regs)
+    with pytest.raises(ValueError, match=f"{name} must be a multiple of 8"):
+        hv.compile_halves_for_hopper(math_regs, load_regs)
+    assert hv.check_regs(hv.MATH_REGS, hv.LOAD_REGS) == 3 * hv.MAXNREG - hv.MATH_REGS - hv.LOAD_REGS

@@ -316,21 +316,46 @@ if HAVE_GLUON:
         )
 
 
+def check_regs(math_regs: int, load_regs: int) -> int:
+    """The first math warpgroup's grant (what the other two leave of 3·MAXNREG), after checking
+    that each is a `setmaxnreg` value (a multiple of 8 in [24, 256])."""
+    default = 3 * MAXNREG - math_regs - load_regs
+    for name, n in (("math_regs", math_regs), ("load_regs", load_regs), ("the rest", default)):
+        if n % 8 or not 24 <= n <= 256:
+            raise ValueError(
+                f"sparse_attention_gluon_halves: {name} must be a multiple of 8 in [24, 256] "
+                f"(math_regs {math_regs}, load_regs {load_regs}, the rest {default} of "
+                f"3 x {MAXNREG})"
+            )
+    return default
+
+
 def sparse_attention_gluon_halves(
-    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sink: Tensor,
+    scale: float,
+    *,
+    math_regs: int = MATH_REGS,
+    load_regs: int = LOAD_REGS,
 ) -> Tensor:
-    """The half-buffer Gluon twin of ops.attention.sparse_attention at the Flash shape."""
+    """The half-buffer Gluon twin of ops.attention.sparse_attention at the Flash shape.
+    `math_regs`, `load_regs`: the second math warpgroup's and the loader's register grants (the
+    first math warpgroup gets the rest: check_regs)."""
+    check_regs(math_regs, load_regs)
     return launch_per_query(_sparse_attention_halves_kernel, q, kv, indices, sink, scale,
-                            BN=BLOCK_N, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
+                            BN=BLOCK_N, MATH_REGS=math_regs, LOAD_REGS=load_regs, num_warps=4,
                             maxnreg=MAXNREG)  # fmt: skip
 
 
-def compile_halves_for_hopper() -> object:
+def compile_halves_for_hopper(math_regs: int = MATH_REGS, load_regs: int = LOAD_REGS) -> object:
     """The half-buffer kernel compiled for sm_90 without a GPU (tests)."""
+    check_regs(math_regs, load_regs)
     return compile_for_sm90(
         _sparse_attention_halves_kernel,
         dict(num_warps=4, maxnreg=MAXNREG),
         BN=BLOCK_N,
-        MATH_REGS=MATH_REGS,
-        LOAD_REGS=LOAD_REGS,
+        MATH_REGS=math_regs,
+        LOAD_REGS=load_regs,
     )
