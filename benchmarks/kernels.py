@@ -4,8 +4,8 @@
 
 Sections: ceilings (bf16 GEMM, device copy), mqa (indexer logits), topk, attn (sparse attention with
 sink: the Triton kernel, the Gluon sm_90 kernels on Hopper — pipelined, the routed half-buffer
-one and the warp-specialised one; `--gluon-ws` adds the latter's other variants — and FlashMLA's
-sparse prefill as the peer when `flash_mla` imports), rows (fused SWA store and the
+one and the warp-specialised one; `--gluon-ws` adds the latter's other configuration — and
+FlashMLA's sparse prefill as the peer when `flash_mla` imports), rows (fused SWA store and the
 ratio-1/2 compressor), rope (the RoPE-only passes: the q tail, the index queries, previous config vs
 default), workspace (FlashMLA's bf16 workspace over the caches: the rows' numbering by the Triton
 `workspace_rows` kernels against their torch twins, the same decode), writers (the layer's SWA rows,
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gluon-ws",
         action="store_true",
-        help="attn: also time the other warp-specialised Gluon variants ((64, 2), schedules: §27)",
+        help="attn: also time the warp-specialised Gluon kernel's other configuration, (64, 2)",
     )
     parser.add_argument(
         "--halves-regs",

@@ -19,13 +19,7 @@ from dsv4cp.kernels.attention_gluon import (
     sparse_attention_gluon,
 )
 from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
-from dsv4cp.kernels.attention_gluon_ws import (
-    WS_CONFIG,
-    WS_CONFIGS,
-    WS_SCHEDULE,
-    WS_SCHEDULES,
-    sparse_attention_gluon_ws,
-)
+from dsv4cp.kernels.attention_gluon_ws import WS_CONFIG, WS_CONFIGS, sparse_attention_gluon_ws
 
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
 
@@ -41,8 +35,8 @@ def bench_attention(
     sweep: bool, gluon_ws: bool = False, halves_regs: list[tuple[int, int]] | None = None
 ) -> None:
     """On Hopper: the pipelined Gluon configurations, the routed half-buffer kernel and the
-    warp-specialised one; `gluon_ws` adds the other warp-specialised configuration and
-    schedules (docs/performance.md §26, §27); `halves_regs` adds the half-buffer kernel at other
+    warp-specialised one; `gluon_ws` adds the other warp-specialised configuration
+    (docs/performance.md §26); `halves_regs` adds the half-buffer kernel at other
     (second math warpgroup, loader) register grants (§28)."""
     t, h, d, n, kk = _pick((4096, 64, 512, 20480, 640), (4, 16, 64, 100, 80))
     q = torch.randn(t, h, d, device=common.DEV).bfloat16()
@@ -98,19 +92,19 @@ def bench_attention(
             f"gluon sm_90 {cfg}": functools.partial(sparse_attention_gluon, config=cfg)
             for cfg in PIPELINED_CONFIGS
         }
-        # (config, schedule): the routed kernel (kernels/flashmla), then the other variants
-        ws_rows = [(WS_CONFIG, WS_SCHEDULE)]
+        # the ws kernel's default configuration, then (--gluon-ws) the other
+        ws_configs = [WS_CONFIG]
         if gluon_ws:
-            others = [(cfg, sch) for cfg in WS_CONFIGS for sch in WS_SCHEDULES]
-            ws_rows += [row for row in others if row != ws_rows[0]]
+            ws_configs += [cfg for cfg in WS_CONFIGS if cfg != WS_CONFIG]
         gluon["gluon halves sm_90 (64, 2)"] = sparse_attention_gluon_halves
         for math_regs, load_regs in halves_regs or []:
             gluon[f"gluon halves sm_90 (64, 2) regs {math_regs}/{load_regs}"] = functools.partial(
                 sparse_attention_gluon_halves, math_regs=math_regs, load_regs=load_regs
             )
-        for cfg, sch in ws_rows:
-            label = f"gluon ws sm_90 {cfg}" + f" {sch}" * (sch != WS_SCHEDULE)
-            gluon[label] = functools.partial(sparse_attention_gluon_ws, schedule=sch, config=cfg)
+        for cfg in ws_configs:
+            gluon[f"gluon ws sm_90 {cfg}"] = functools.partial(
+                sparse_attention_gluon_ws, config=cfg
+            )
         ref_v41 = ops.sparse_attention(q, kv, idx_v41, sink, scale)
         for name, fn in gluon.items():
             for label, ix, want in (("", idx, ref), (", V4.1 -1 rows", idx_v41, ref_v41)):

@@ -10,10 +10,10 @@ over this package's interface — one query per program, 64 heads × 512, three 
   half w over both tiles — warpgroup 0 reads only the L halves as v, warpgroup 1 only the R
   halves, so each half is freed by one warpgroup: A_L and B_L by warpgroup 0, B_R and A_R by
   warpgroup 1;
-- the maxima are chained as in the ws kernel's seesaw schedule (kernels/attention_gluon_ws.py):
-  warpgroup 0 takes m_a from its tile and goes on to p_A·v_A(L) while warpgroup 1 takes
-  m_b = max(m_a, rowmax s_B); warpgroup 0 then rescales by 2^(m_a − m_b) and publishes p_A at
-  m_b;
+- the maxima are chained, not exchanged (FlashMLA's "seesaw"): warpgroup 0 takes m_a from its
+  tile and goes on to p_A·v_A(L) while warpgroup 1 waits for m_a and takes
+  m_b = max(m_a, rowmax s_B); warpgroup 0 then rescales what it holds by 2^(m_a − m_b) and
+  publishes p_A at m_b, so one warpgroup's exponentials overlap the other's products;
 - warpgroup 0 computes the next round's q·kᵀ (L half, then R) right after its last p·v, so its
   next maximum is ready while warpgroup 1 finishes the round (queuing it asynchronously behind
   that p·v, as FlashMLA does, measured 1 % slower: docs/performance.md §27).

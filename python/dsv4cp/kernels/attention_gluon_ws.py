@@ -11,12 +11,9 @@ heads × 512, three warpgroups —
   maxima through shared memory, each rounds its p to bf16 and publishes it, and each then
   accumulates its half of the 512 output columns over both tiles of the round: its own p from
   registers, the other's from shared memory.
-A buffer is freed when both math warpgroups have finished their p·v on it. The math
-warpgroups' order within a round is the `schedule` (WS_SCHEDULES, variants to time:
-docs/performance.md §24, §27): "own-first", each does its own tile's p·v first (its p is in
-registers); "tile-order", both do the round's tiles in order, so the first buffer is freed half
-a round sooner and its next tile's copy overlaps the second p·v; "seesaw", the maxima are
-chained instead of exchanged (FlashMLA's order, `_math_seesaw`). The running sums stay per
+A buffer is freed when both math warpgroups have finished their p·v on it. Each math warpgroup
+does its own tile's p·v first (its p is in registers), then the other's (its two other orders,
+timed within 4 % of this one, were removed: docs/performance.md §27). The running sums stay per
 warpgroup (its own tiles' p) and are exchanged once at the end. The query's shared-memory
 descriptors are indexed by a zero the compiler cannot see (`r // (n_tiles + 1)`), which keeps
 them in the loop: hoisted, they spilled (108 B at (32, 4); none now, §27). The math is the Triton
@@ -47,10 +44,6 @@ LOAD_REGS = 56
 # (64, 2): a round's two loads wait until the previous round is consumed.
 WS_CONFIG = (32, 4)
 WS_CONFIGS = ((64, 2), (32, 4))
-# The math warpgroups' order within a round (the module docstring); the kernel's SCHEDULE is the
-# index.
-WS_SCHEDULE = "own-first"
-WS_SCHEDULES = ("own-first", "tile-order", "seesaw")
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -90,8 +83,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready, free,
               q_ready, m_bar, p_bar, l_bar, N, K, qk_scale, stride_oh, WG: gl.constexpr,
-              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-              TILE_ORDER: gl.constexpr):  # fmt: skip
+              H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
         """Math warpgroup WG: s on tiles WG, WG+2, …; output columns [WG·D/2, (WG+1)·D/2)."""
         HALF: gl.constexpr = D // 2
         S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -146,125 +138,16 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(p_bar, count=1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            if TILE_ORDER:  # both read buffer 0's tile first: it is freed half a round sooner
-                mbarrier.wait(p_bar, ph)
-                for b in gl.static_range(2):
-                    tile = 2 * r + b
-                    if tile < n_tiles:
-                        buf, use = tile % NBUF, (tile // NBUF) & 1
-                        v = kv_smem.index(buf).slice(WG * HALF, HALF, dim=1)
-                        if b == WG:
-                            o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
-                        else:
-                            mbarrier.wait(ready.index(buf), use)
-                            o = warpgroup_mma(p_smem.index(b), v, o)
-                        mbarrier.arrive(free.index(buf), count=1)
-            else:  # its own tile first (its p is in registers), then the other's
-                if mine < n_tiles:
-                    v = kv_smem.index(b_mine).slice(WG * HALF, HALF, dim=1)
-                    o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
-                    mbarrier.arrive(free.index(b_mine), count=1)
-                mbarrier.wait(p_bar, ph)
-                if other < n_tiles:
-                    mbarrier.wait(ready.index(b_other), ph_other)
-                    v = kv_smem.index(b_other).slice(WG * HALF, HALF, dim=1)
-                    o = warpgroup_mma(p_smem.index(1 - WG), v, o)
-                    mbarrier.arrive(free.index(b_other), count=1)
-        _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG, H, HALF, ROWS, O_L)
-
-    @gluon.jit
-    def _math_seesaw(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
-                     free, q_ready, ma_bar, mb_bar, p0_bar, p1_bar, l_bar, N, K, qk_scale,
-                     stride_oh, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
-                     BN: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
-        """The seesaw order of a round's tiles A = 2r (warpgroup 0's) and B = 2r + 1: the maxima
-        are chained, not exchanged — warpgroup 0 takes m_a = max(m, rowmax s_A) and goes on to
-        its p_A·v_A while warpgroup 1 waits for m_a and takes m_b = max(m_a, rowmax s_B);
-        warpgroup 0 then rescales what it holds by 2^(m_a − m_b) and publishes p_A at m_b, so
-        one warpgroup's exponentials overlap the other's products."""
-        HALF: gl.constexpr = D // 2
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
-        )
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-        )
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
-        O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
-        m, l_one = _sink_start(sink_ptr, H, ROWS)
-        l_own = gl.zeros([H], gl.float32, ROWS)
-        o = gl.zeros([H, HALF], gl.float32, O_L)
-        s_zero = gl.zeros([H, BN], gl.float32, S_L)
-        n_tiles = gl.cdiv(K, BN)
-        key_cols = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        idx = gl.load(idx_row + WG * BN + key_cols, mask=WG * BN + key_cols < K, other=-1)
-        mbarrier.wait(q_ready, 0)
-        for r in range(gl.cdiv(n_tiles, 2)):
-            ph = r & 1
-            mine = 2 * r + WG
-            other = 2 * r + 1 - WG
-            b_mine, b_other = mine % NBUF, other % NBUF
-            ph_mine, ph_other = (mine // NBUF) & 1, (other // NBUF) & 1
-            ok = (idx >= 0) & (idx < N)
-            offs = (mine + 2) * BN + key_cols  # the next round's indices, as in _math
-            idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+            # its own tile first (its p is in registers), then the other's
             if mine < n_tiles:
-                mbarrier.wait(ready.index(b_mine), ph_mine)
-                fence_async_shared()
-                q = q_smem.index(r // (n_tiles + 1))  # 0, kept in the loop as in _math
-                s = warpgroup_mma(q, kv_smem.index(b_mine).permute((1, 0)), s_zero,
-                                  use_acc=False)  # fmt: skip
-            else:
-                s = s_zero
-            s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
-            v_mine = kv_smem.index(b_mine).slice(WG * HALF, HALF, dim=1)
-            v_other = kv_smem.index(b_other).slice(WG * HALF, HALF, dim=1)
-            if WG == 0:  # tile A = mine, always present
-                m_a = gl.maximum(m, gl.max(s, 1))
-                m_smem.index(0).store(m_a)
-                mbarrier.arrive(ma_bar, count=1)
-                alpha, p = _rescale(s, m, m_a)
-                l_own = l_own * alpha + gl.sum(p, 1)
-                l_one = l_one * alpha
-                o = o * gl.convert_layout(alpha, O_ROWS)[:, None]
-                o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_L), v_mine, o)
+                v = kv_smem.index(b_mine).slice(WG * HALF, HALF, dim=1)
+                o = warpgroup_mma(gl.convert_layout(pb, P_L), v, o)
                 mbarrier.arrive(free.index(b_mine), count=1)
-                mbarrier.wait(mb_bar, ph)
-                m_b = m_smem.index(1).load(ROWS)
-                c = gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))  # 0 if both −∞
-                p_smem.index(0).store((p * c[:, None]).to(gl.bfloat16))  # p_A at m_b
-                fence_async_shared()
-                mbarrier.arrive(p0_bar, count=1)
-                l_own = l_own * c
-                l_one = l_one * c
-                o = o * gl.convert_layout(c, O_ROWS)[:, None]
-                m = m_b
-                mbarrier.wait(p1_bar, ph)
-                if other < n_tiles:
-                    mbarrier.wait(ready.index(b_other), ph_other)
-                    o = warpgroup_mma(p_smem.index(1), v_other, o)
-                    mbarrier.arrive(free.index(b_other), count=1)
-            else:  # tile B = mine, absent in an odd count's last round; A = other, present
-                mbarrier.wait(ma_bar, ph)
-                m_b = gl.maximum(m_smem.index(0).load(ROWS), gl.max(s, 1))
-                m_smem.index(1).store(m_b)
-                mbarrier.arrive(mb_bar, count=1)
-                alpha, p = _rescale(s, m, m_b)
-                l_own = l_own * alpha + gl.sum(p, 1)
-                l_one = l_one * alpha
-                m = m_b
-                pb = p.to(gl.bfloat16)
-                p_smem.index(1).store(pb)
-                fence_async_shared()
-                mbarrier.arrive(p1_bar, count=1)
-                o = o * gl.convert_layout(alpha, O_ROWS)[:, None]
-                if mine < n_tiles:
-                    o = warpgroup_mma(gl.convert_layout(pb, P_L), v_mine, o)
-                    mbarrier.arrive(free.index(b_mine), count=1)
-                mbarrier.wait(p0_bar, ph)
+            mbarrier.wait(p_bar, ph)
+            if other < n_tiles:
                 mbarrier.wait(ready.index(b_other), ph_other)
-                o = warpgroup_mma(p_smem.index(0), v_other, o)
+                v = kv_smem.index(b_other).slice(WG * HALF, HALF, dim=1)
+                o = warpgroup_mma(p_smem.index(1 - WG), v, o)
                 mbarrier.arrive(free.index(b_other), count=1)
         _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG, H, HALF, ROWS, O_L)
 
@@ -272,27 +155,21 @@ if HAVE_GLUON:
     def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
                    p_smem, m_smem, l_smem, ready, free, bars, N, K, qk_scale, stride_qh,
                    stride_kvn, stride_oh, H: gl.constexpr, D: gl.constexpr,
-                   BN: gl.constexpr, NBUF: gl.constexpr, SCHEDULE: gl.constexpr):  # fmt: skip
+                   BN: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
         """Roles 0 and 1: the math warpgroups; role 2: the loader (one signature for all)."""
         if ROLE == 2:
             _loader(q_row, kv_ptr, idx_row, q_smem.index(0), kv_smem, ready, free, bars.index(0),
                     N, K, stride_qh, stride_kvn, H, D, BN, NBUF)  # fmt: skip
-        elif SCHEDULE >= 2:
-            _math_seesaw(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem,
-                         ready, free, bars.index(0), bars.index(1), bars.index(4), bars.index(2),
-                         bars.index(5), bars.index(3), N, K, qk_scale, stride_oh, ROLE, H, D,
-                         BN, NBUF)  # fmt: skip
         else:
             _math(sink_ptr, out_row, idx_row, q_smem, kv_smem, p_smem, m_smem, l_smem, ready,
                   free, bars.index(0), bars.index(1), bars.index(2), bars.index(3), N, K,
-                  qk_scale, stride_oh, ROLE, H, D, BN, NBUF, SCHEDULE == 1)  # fmt: skip
+                  qk_scale, stride_oh, ROLE, H, D, BN, NBUF)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
     def _sparse_attention_ws_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, N, K, qk_scale,
         stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
         H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-        SCHEDULE: gl.constexpr,
         MATH_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr,
     ):  # fmt: skip
@@ -313,10 +190,10 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=128)  # the loader's 4 warps' copies land
             mbarrier.init(free.index(i), count=2)  # both math warpgroups read every tile
         mbarrier.init(bars.index(0), count=1)  # q_ready
-        # m, p, l exchanges (both warpgroups arrive); the seesaw's m_a, p_a, l, m_b, p_b
-        # (one warpgroup each, l both)
         for i in gl.static_range(1, 4):
-            mbarrier.init(bars.index(i), count=2 if SCHEDULE < 2 or i == 3 else 1)
+            mbarrier.init(bars.index(i), count=2)  # m, p, l exchanges (both warpgroups arrive)
+        # 4, 5: unused (the removed seesaw schedule's), kept: without them the barriers move
+        # and ptxas reschedules the (32, 4) loader, so the SASS would no longer be the measured one
         for i in gl.static_range(4, 6):
             mbarrier.init(bars.index(i), count=1)
         q_row = q_ptr + t * stride_qt
@@ -351,7 +228,6 @@ if HAVE_GLUON:
                         D,
                         BN,
                         NBUF,
-                        SCHEDULE,
                     ),
                 )
                 for ROLE in (0, 1, 2)
@@ -368,27 +244,20 @@ def sparse_attention_gluon_ws(
     sink: Tensor,
     scale: float,
     *,
-    schedule: str = WS_SCHEDULE,
     config: tuple[int, int] = WS_CONFIG,
 ) -> Tensor:
     """The warp-specialised Gluon twin of ops.attention.sparse_attention at the Flash shape.
-    `schedule`: the math warpgroups' order within a round, one of WS_SCHEDULES (the module
-    docstring). `config`: (keys per tile, kv buffers), one of WS_CONFIGS."""
-    _check_config(config, schedule)
+    `config`: (keys per tile, kv buffers), one of WS_CONFIGS."""
+    _check_config(config)
     return launch_per_query(_sparse_attention_ws_kernel, q, kv, indices, sink, scale,
-                            BN=config[0], NBUF=config[1], SCHEDULE=WS_SCHEDULES.index(schedule),
-                            MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4,
-                            maxnreg=MAXNREG)  # fmt: skip
+                            BN=config[0], NBUF=config[1], MATH_REGS=MATH_REGS,
+                            LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)  # fmt: skip
 
 
-def _check_config(config: tuple[int, int], schedule: str) -> None:
+def _check_config(config: tuple[int, int]) -> None:
     if config not in WS_CONFIGS:
         raise ValueError(
             f"sparse_attention_gluon_ws: config must be one of {WS_CONFIGS}, got {config}"
-        )
-    if schedule not in WS_SCHEDULES:
-        raise ValueError(
-            f"sparse_attention_gluon_ws: schedule must be one of {WS_SCHEDULES}, got {schedule!r}"
         )
 
 
@@ -396,17 +265,15 @@ def compile_ws_for_hopper(
     math_regs: int = MATH_REGS,
     load_regs: int = LOAD_REGS,
     maxnreg: int = MAXNREG,
-    schedule: str = WS_SCHEDULE,
     config: tuple[int, int] = WS_CONFIG,
 ) -> object:
     """The warp-specialised kernel compiled for sm_90 without a GPU (tests)."""
-    _check_config(config, schedule)
+    _check_config(config)
     return compile_for_sm90(
         _sparse_attention_ws_kernel,
         dict(num_warps=4, maxnreg=maxnreg),
         BN=config[0],
         NBUF=config[1],
-        SCHEDULE=WS_SCHEDULES.index(schedule),
         MATH_REGS=math_regs,
         LOAD_REGS=load_regs,
     )
