@@ -31,10 +31,11 @@ from torch import Tensor
 from dsv4cp.kernels.attention_gluon import HAVE_GLUON, compile_for_sm90, launch_per_query
 
 # Registers a thread: the launch's limit, then what `setmaxnreg` gives the second math
-# warpgroup and the loader (the first, Gluon's default partition, gets 3·168 − 232 − 40 = 232).
-# Triton 3.6 sm_90 compile: the loader fits 40 without a spill.
+# warpgroup and the loader; the first math warpgroup, Gluon's default partition, gets the rest,
+# 3·168 − 216 − 40 = 248 (check_regs). Triton 3.6 sm_90 (ptxas): no partition spills in its loop
+# at this grant; at 232 / 40 the first math warpgroup spilled 72 B (docs/performance.md §28).
 MAXNREG = 168
-MATH_REGS = 232
+MATH_REGS = 216
 LOAD_REGS = 40
 BLOCK_N = 64  # keys per tile
 
@@ -268,7 +269,7 @@ if HAVE_GLUON:
         l_smem = gl.allocate_shared_memory(gl.float32, [2, H], V_SL)
         ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(4):
             mbarrier.init(ready.index(i), count=128)  # the loader's 4 warps' copies land
             mbarrier.init(free.index(i), count=1)  # one math warpgroup reads each half last
