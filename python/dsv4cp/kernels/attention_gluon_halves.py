@@ -16,7 +16,8 @@ over this package's interface — one query per program, 64 heads × 512, three 
   publishes p_A at m_b, so one warpgroup's exponentials overlap the other's products;
 - warpgroup 0 computes the next round's q·kᵀ (L half, then R) right after its last p·v, so its
   next maximum is ready while warpgroup 1 finishes the round (queuing it asynchronously behind
-  that p·v, as FlashMLA does, measured 1 % slower: docs/performance.md §27).
+  that p·v, as FlashMLA does, measured 1 % slower in docs/performance.md §27 and 6 % slower
+  in §28, with the registers for it).
 
 The math is the Triton kernel's (kernels/attention.py; twin ops.attention.sparse_attention):
 the sink starts the running max and the running sum at e^0; −1 and out-of-range indices are
