@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30, help="graph replays a round")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.iters < 1:
+        parser.error("--rounds and --iters must be at least 1")
+    names = [name for name, _ in args.variant]
+    if len(set(names)) != len(names) or {ROUTED, "FlashMLA"} & set(names):
+        parser.error(f"variant names must be distinct and not {ROUTED!r} or 'FlashMLA': {names}")
     from dsv4cp.kernels import attention_gluon_halves as routed
     from dsv4cp.kernels.attention_gluon import gluon_attention_available
 
@@ -133,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"T={t} H={h} D={d} K={kk} N={n}"
     table = benchutil.Table(title=f"sparse attention variants, {gpu}, {shape}, bf16")
     for name, ms in med.items():  # vs_*: the other's ms / this ms (> 1: this one is faster)
-        table.add(kernel=name, ms=ms, max_diff=worst.get(name), vs_routed=med[ROUTED] / ms,
+        table.add(kernel=name, ms=ms, max_diff=worst.get(name),
+                  vs_routed=med[ROUTED] / ms if ROUTED in med else None,
                   vs_flashmla=med["FlashMLA"] / ms if "FlashMLA" in med else None)  # fmt: skip
+    for name in kernels.keys() - timed.keys():  # failed the check: not timed
+        table.add(kernel=name, ms=None, max_diff=worst[name])
     table.formats.update(ms="{:.4f}", vs_routed="{:.3f}", vs_flashmla="{:.3f}", max_diff="{:.3g}")
     table.print()
     ok = all(v < TOL for v in worst.values())  # nan compares False: a failure

@@ -36,3 +36,15 @@ def test_without_a_hopper_gpu_it_says_so(capsys: pytest.CaptureFixture[str]) -> 
         pytest.skip("a CUDA device is present")
     assert av.main([f"--variant=copy={HALVES}"]) == 2
     assert "needs Gluon and a Hopper GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--rounds", "0"], ["--iters", "0"], [f"--variant=routed={HALVES}"],
+     [f"--variant=a={HALVES}", f"--variant=a={HALVES}"]],
+    ids=["rounds", "iters", "reserved-name", "same-name"],
+)  # fmt: skip
+def test_bad_arguments_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        av.main(argv)
+    assert exc.value.code == 2
