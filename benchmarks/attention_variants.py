@@ -21,19 +21,17 @@ import importlib.util
 import math
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch import Tensor
 
 from benchmarks import benchutil
 from benchmarks.kernels import _reg_grants
+from benchmarks.kernels_attention import Kernel, flashmla_sparse
 from benchmarks.kernels_common import _maxdiff, _ms
 from dsv4cp import ops
 
-Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
 ROUTED = "routed"
 SHAPE = (4096, 64, 512, 640, 20480)  # T, H, D, K, N
 CHECKS = ((37, 3000, 640), (29, 500, 576), (16, 200, 64), (16, 200, 128), (24, 1000, 192))
@@ -121,14 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     idx = torch.randint(0, n, (t, kk), device="cuda", dtype=torch.int32)
     sink = torch.randn(h, device="cuda")
     scale = d**-0.5
-    try:
-        import flash_mla
-
-        timed["FlashMLA"] = lambda q, kv, idx, sink, scale: flash_mla.flash_mla_sparse_fwd(
-            q, kv[:, None], idx[:, None], scale, d, attn_sink=sink, use_legacy=True
-        )[0]
-    except ImportError as exc:
-        print(f"flash_mla unavailable: {exc!r}")
+    flashmla = flashmla_sparse()
+    if flashmla is not None:
+        timed["FlashMLA"] = flashmla
     rounds: dict[str, list[float]] = {k: [] for k in timed}
     for r in range(args.rounds):
         for name, fn in timed.items():

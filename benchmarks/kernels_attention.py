@@ -5,8 +5,10 @@ workspace over the caches)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from benchmarks import kernels_common as common
 from benchmarks.kernels_common import _maxdiff, _ms, _pick, _row
@@ -22,6 +24,25 @@ from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
 from dsv4cp.kernels.attention_gluon_ws import WS_CONFIG, WS_CONFIGS, sparse_attention_gluon_ws
 
 ATTN_SWEEP = [(64, 8, 2), (64, 8, 3), (32, 8, 2)]
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+
+
+def flashmla_sparse() -> Kernel | None:
+    """FlashMLA's sparse prefill (legacy, the Hopper path) with the twin's signature
+    (q [T, H, D], kv [N, D], indices [T, K], sink, scale), or None — said — where `flash_mla`
+    does not import."""
+    try:
+        import flash_mla
+    except Exception as exc:  # the peer is optional
+        print(f"flash_mla unavailable: {exc!r}")
+        return None
+
+    def run(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float) -> Tensor:
+        return flash_mla.flash_mla_sparse_fwd(
+            q, kv[:, None], idx[:, None], scale, q.shape[-1], attn_sink=sink, use_legacy=True
+        )[0]
+
+    return run
 
 
 def _key(name: str) -> str:
@@ -121,17 +142,12 @@ def bench_attention(
                 )
     else:
         print("gluon sm_90 kernels: not run (need Gluon, a Hopper GPU and 64 heads x 512)")
-    try:
-        import flash_mla
-    except Exception as exc:  # the peer is optional
-        print(f"flash_mla unavailable: {exc!r}")
+    flashmla = flashmla_sparse()
+    if flashmla is None:
         return
-    kv3, idx3 = kv[:, None, :], idx[:, None, :]
 
     def peer() -> torch.Tensor:
-        return flash_mla.flash_mla_sparse_fwd(
-            q, kv3, idx3, scale, d, attn_sink=sink, use_legacy=True
-        )[0]
+        return flashmla(q, kv, idx, sink, scale)
 
     out = peer()
     peer_ms = _ms(peer)
@@ -146,12 +162,7 @@ def bench_attention(
         triton_over_flashmla=peer_ms / ms_triton,
         **{_key(k): peer_ms / v for k, v in gluon_ms.items() if "-1 rows" not in k},  # fmt: skip
     )
-    idx3b = idx_v41[:, None, :]
-    peer_v41_ms = _ms(
-        lambda: flash_mla.flash_mla_sparse_fwd(
-            q, kv3, idx3b, scale, d, attn_sink=sink, use_legacy=True
-        )[0]
-    )
+    peer_v41_ms = _ms(lambda: flashmla(q, kv, idx_v41, sink, scale))
     _row(
         "attn",
         "FlashMLA, V4.1 -1 rows",
