@@ -17,7 +17,13 @@ over this package's interface — one query per program, 64 heads × 512, three 
 - warpgroup 0 computes the next round's q·kᵀ (L half, then R) right after its last p·v, so its
   next maximum is ready while warpgroup 1 finishes the round (queuing it asynchronously behind
   that p·v, as FlashMLA does, measured 1 % slower in docs/performance.md §27 and 6 % slower
-  in §28, with the registers for it).
+  in §28, with the registers for it);
+- warpgroup 1 queues its own p_B·v_B(R) asynchronously, stores p_B while it runs, then queues
+  p_A·v_A(R) behind it and frees B_R and A_R as each completes (FlashMLA's order);
+- the query arrives by the loader's cp.async copies counted on `q_ready` (128 non-incrementing
+  arrives, no wait_group), and each warpgroup's output half is staged in the query's buffer
+  once both have passed their last q·kᵀ, then written with 16-byte stores.
+  docs/performance.md §30: these three together 0.864 of FlashMLA against 0.747 before.
 
 The math is the Triton kernel's (kernels/attention.py; twin ops.attention.sparse_attention):
 the sink starts the running max and the running sum at e^0; −1 and out-of-range indices are
@@ -51,7 +57,39 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dsv4cp.kernels.attention_gluon import _load_query, _rescale, _sink_start, _write_half
+    from dsv4cp.kernels.attention_gluon import _cta_barrier, _rescale, _sink_start
+
+    @gluon.jit
+    def _load_query_counted(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr,
+                            D: gl.constexpr, LD: gl.constexpr):  # fmt: skip
+        """The query by cp.async; each loader thread's copies arrive on `q_ready` (count 128)."""
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
+        )
+        async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    @gluon.jit
+    def _write_half_staged(o, l_own, l_one, l_smem, l_bar, o_smem, out_row, stride_oh,
+                           WG: gl.constexpr, H: gl.constexpr, HALF: gl.constexpr,
+                           ROWS: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
+        """o / (both halves' l + the sink's), staged in `o_smem` (the query's buffer, free
+        once both warpgroups pass `l_bar`), then stored 8 bf16 a thread."""
+        l_smem.index(WG).store(l_own)
+        mbarrier.arrive(l_bar, count=1)
+        mbarrier.wait(l_bar, 0)  # both warpgroups past their last q·kᵀ: q's buffer free
+        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
+        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
+        o = o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
+        half = o_smem.slice(WG * HALF, HALF, dim=1)
+        half.store(o.to(gl.bfloat16))
+        _cta_barrier()
+        ST: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        v = half.load(ST)
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, ST))
+        cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ST))
+        gl.store(out_row + heads[:, None] * stride_oh + cols[None, :], v)
 
     # the four halves' barrier slots: buffer b's half h is b·2 + h
     A_L = gl.constexpr(0)
@@ -74,7 +112,7 @@ if HAVE_GLUON:
         the loader's 128 threads' copies land (.noinc); round r is phase r & 1."""
         HALF: gl.constexpr = D // 2
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        _load_query(q_row, q_smem, q_ready, stride_qh, H, D, QL)
+        _load_query_counted(q_row, q_smem, q_ready, stride_qh, H, D, QL)
         # 8 threads a row (128 B each), 4 rows a warp: 4 indices a thread
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
@@ -223,17 +261,28 @@ if HAVE_GLUON:
                 m = m_b
                 pb = p.to(gl.bfloat16)
                 o = o * gl.convert_layout(alpha, O_ROWS)[:, None]
-                if has_b:
-                    o = warpgroup_mma(gl.convert_layout(pb, P_L), v_b, o)
+                if has_b:  # own p·v queued; p_B stored while it runs
+                    acc = warpgroup_mma(gl.convert_layout(pb, P_L), v_b, o, is_async=True)
+                    p_smem.index(1).store(pb)
+                    mbarrier.wait(p0_bar, ph)
+                    mbarrier.wait(ready.index(A_R), ph)
+                    acc = warpgroup_mma(p_smem.index(0), v_a, acc, is_async=True)
+                    fence_async_shared()
+                    mbarrier.arrive(p1_bar, count=1)
+                    o = warpgroup_mma_wait(1, deps=[acc])
                     mbarrier.arrive(free.index(B_R), count=1)
-                p_smem.index(1).store(pb)
-                fence_async_shared()
-                mbarrier.arrive(p1_bar, count=1)
-                mbarrier.wait(p0_bar, ph)
-                mbarrier.wait(ready.index(A_R), ph)
-                o = warpgroup_mma(p_smem.index(0), v_a, o)
-                mbarrier.arrive(free.index(A_R), count=1)
-        _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG, H, HALF, ROWS, O_L)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    mbarrier.arrive(free.index(A_R), count=1)
+                else:
+                    p_smem.index(1).store(pb)
+                    fence_async_shared()
+                    mbarrier.arrive(p1_bar, count=1)
+                    mbarrier.wait(p0_bar, ph)
+                    mbarrier.wait(ready.index(A_R), ph)
+                    o = warpgroup_mma(p_smem.index(0), v_a, o)
+                    mbarrier.arrive(free.index(A_R), count=1)
+        _write_half_staged(o, l_own, l_one, l_smem, l_bar, q_smem.index(0), out_row, stride_oh,
+                           WG, H, HALF, ROWS, O_L)  # fmt: skip
 
     @gluon.jit
     def _partition(ROLE: gl.constexpr, q_row, kv_ptr, sink_ptr, out_row, idx_row, q_smem, kv_smem,
@@ -275,7 +324,8 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=128)  # the loader's 4 warps' copies land
             mbarrier.init(free.index(i), count=1)  # one math warpgroup reads each half last
         # q_ready, m_a, m_b, p_a, p_b: one arrive each; l: both warpgroups
-        for i in gl.static_range(5):
+        mbarrier.init(bars.index(0), count=128)  # q_ready: the loader's copies land
+        for i in gl.static_range(1, 5):
             mbarrier.init(bars.index(i), count=1)
         mbarrier.init(bars.index(5), count=2)
         q_row = q_ptr + t * stride_qt
