@@ -104,7 +104,8 @@ from dsv4cp import ops, routing
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.context import AttentionMemo, ForwardContext
 from dsv4cp.executors import SERIAL, Executor, MultistreamExecutor, StreamPool
-from dsv4cp.kernels.attention_gluon import gluon_attention_available, sparse_attention_gluon
+from dsv4cp.kernels.attention_gluon import gluon_attention_available
+from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
 from dsv4cp.layers import attention as layer_module
 from dsv4cp.layers.attention import DeepseekV41Attention
 from dsv4cp.layers.linear import keep_dequantized_weights
@@ -240,9 +241,9 @@ class Run:
                 lambda: sglang_peer.flashmla_sparse_attention(q, kv, idx, sink, scale)
             )[0]
             row["triton_vs_flashmla"] = row["attn_flashmla_ms"] / row["attn_triton_ms"]
-        if gluon_attention_available(q):  # the Gluon sm_90 kernel on the same decoded rows
+        if gluon_attention_available(q):  # the routed Gluon kernel on the same decoded rows
             row["attn_gluon_ms"] = self.timer(
-                lambda: sparse_attention_gluon(q, kv, idx, sink, scale)
+                lambda: sparse_attention_gluon_halves(q, kv, idx, sink, scale)
             )[0]
             if self.flashmla:
                 row["gluon_vs_flashmla"] = row["attn_flashmla_ms"] / row["attn_gluon_ms"]
