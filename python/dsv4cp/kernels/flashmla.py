@@ -13,8 +13,8 @@ adds e^{sink} to the softmax denominator with no value vector.
 Where FlashMLA does not run, the half-buffer Gluon sm_90 kernel
 (`kernels/attention_gluon_halves.py`, FlashMLA's schedule in Gluon) takes its place on Hopper at
 64 heads × 512 bf16: it takes what FlashMLA takes, one dense bf16 source and indices, so it reads
-the same workspace — 0.75–0.76 of FlashMLA on the kernel benchmark, 1.06–1.08× the warp-specialised
-(32, 4) kernel that stood in before at the layer (H100, docs/performance.md §27, §28).
+the same workspace — 0.89 of FlashMLA's speed on the kernel benchmark's shape and 0.84–0.92 on
+the layers' rows of a 16K chunk after 112K (H100, docs/performance.md §30).
 `DSV4CP_GLUON_ATTENTION` (`gluon_misfit`): auto, the default, does so where FlashMLA is not
 installed or does not take the query, but not under `DSV4CP_FLASHMLA=off`; on also there; off
 never.
