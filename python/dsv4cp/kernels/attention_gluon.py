@@ -35,7 +35,6 @@ try:  # Gluon ships with Triton ≥ 3.4; the module imports without a GPU
     from triton.experimental.gluon.language.nvidia.hopper import (
         async_copy,
         fence_async_shared,
-        mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
@@ -102,39 +101,6 @@ if HAVE_GLUON:
         whose max is still −∞ gets 0 for both, not NaN."""
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         return gl.exp2(m - m_use), gl.exp2(s - m_use[:, None])
-
-    @gluon.jit
-    def _load_query(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr, D: gl.constexpr,
-                    LD: gl.constexpr):  # fmt: skip
-        """The warp-specialised kernels' loader start: the query's [H, D] rows by cp.async, then,
-        once every loader thread's copies have landed, one arrive on q_ready."""
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
-        )
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        _cta_barrier()
-        fence_async_shared()
-        mbarrier.arrive(q_ready, count=1)
-
-    @gluon.jit
-    def _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG: gl.constexpr,
-                    H: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
-                    O_L: gl.constexpr):  # fmt: skip
-        """The warp-specialised kernels' end: math warpgroup WG adds the other's running sum
-        (exchanged once through l_smem) to its own and the sink's, and stores its output
-        columns [WG·HALF, (WG+1)·HALF) (a row with no valid key: 0)."""
-        l_smem.index(WG).store(l_own)
-        mbarrier.arrive(l_bar, count=1)
-        mbarrier.wait(l_bar, 0)
-        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
-        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
-        o = o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
-        cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-        gl.store(out_row + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16))
 
     @gluon.jit(do_not_specialize=["N", "K", "stride_it"])
     def _sparse_attention_gluon_kernel(
