@@ -23,7 +23,7 @@ over this package's interface — one query per program, 64 heads × 512, three 
 - the query arrives by the loader's cp.async copies counted on `q_ready` (128 non-incrementing
   arrives, no wait_group), and each warpgroup's output half is staged in the query's buffer
   once both have passed their last q·kᵀ, then written with 16-byte stores.
-  docs/performance.md §30: with these three, 0.893 of FlashMLA's time against 0.743 before.
+  docs/performance.md §30: with these three, 0.893 of FlashMLA's speed against 0.743 before.
 
 The math is the Triton kernel's (kernels/attention.py; twin ops.attention.sparse_attention):
 the sink starts the running max and the running sum at e^0; −1 and out-of-range indices are

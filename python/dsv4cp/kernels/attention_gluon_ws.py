@@ -60,8 +60,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_query(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr, D: gl.constexpr,
                     LD: gl.constexpr):  # fmt: skip
-        """The loader's start: the query's [H, D] rows by cp.async, then,
-        once every loader thread's copies have landed, one arrive on q_ready."""
+        """The loader's start: the query's [H, D] rows by cp.async, then, once every loader
+        thread's copies have landed, one arrive on q_ready."""
         heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
         async_copy.async_copy_global_to_shared(
@@ -77,9 +77,9 @@ if HAVE_GLUON:
     def _write_half(o, l_own, l_one, l_smem, l_bar, out_row, stride_oh, WG: gl.constexpr,
                     H: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
                     O_L: gl.constexpr):  # fmt: skip
-        """The kernel's end: math warpgroup WG adds the other's running sum
-        (exchanged once through l_smem) to its own and the sink's, and stores its output
-        columns [WG·HALF, (WG+1)·HALF) (a row with no valid key: 0)."""
+        """The kernel's end: math warpgroup WG adds the other's running sum (exchanged once
+        through l_smem) to its own and the sink's, and stores its output columns
+        [WG·HALF, (WG+1)·HALF) (a row with no valid key: 0)."""
         l_smem.index(WG).store(l_own)
         mbarrier.arrive(l_bar, count=1)
         mbarrier.wait(l_bar, 0)
