@@ -77,6 +77,29 @@ def _check(kernels: dict[str, Kernel]) -> dict[str, float]:
     return worst
 
 
+def hopper_gluon(script: str) -> bool:
+    """Whether Gluon and a Hopper GPU are here; where not, `script` says it needs them."""
+    from dsv4cp.kernels.attention_gluon import gluon_attention_available
+
+    if torch.cuda.is_available() and gluon_attention_available(
+        torch.empty(1, 64, 512, device="cuda")
+    ):
+        return True
+    print(f"{script} needs Gluon and a Hopper GPU")
+    return False
+
+
+def shape_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """The timed inputs at SHAPE, seed 0: q, kv, random indices, sink, scale."""
+    t, h, d, kk, n = SHAPE
+    torch.manual_seed(0)
+    q = torch.randn(t, h, d, device="cuda").bfloat16()
+    kv = torch.randn(n, d, device="cuda").bfloat16()
+    idx = torch.randint(0, n, (t, kk), device="cuda", dtype=torch.int32)
+    sink = torch.randn(h, device="cuda")
+    return q, kv, idx, sink, d**-0.5
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", type=_variant, action="append", default=[],
@@ -92,14 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name, _ in args.variant]
     if len(set(names)) != len(names) or {ROUTED, "FlashMLA"} & set(names):
         parser.error(f"variant names must be distinct and not {ROUTED!r} or 'FlashMLA': {names}")
-    from dsv4cp.kernels import attention_gluon_halves as routed
-    from dsv4cp.kernels.attention_gluon import gluon_attention_available
-
-    if not torch.cuda.is_available() or not gluon_attention_available(
-        torch.empty(1, 64, 512, device="cuda")
-    ):
-        print("benchmarks/attention_variants.py needs Gluon and a Hopper GPU")
+    if not hopper_gluon("benchmarks/attention_variants.py"):
         return 2
+    from dsv4cp.kernels import attention_gluon_halves as routed
+
     kernels: dict[str, Kernel] = {ROUTED: routed.sparse_attention_gluon_halves}
     for m, load in args.regs:
         kernels[f"{ROUTED} {m}/{load}"] = functools.partial(
@@ -114,12 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check {name}: max |kernel - twin| {d:.3g}", flush=True)
     timed = {k: v for k, v in kernels.items() if worst[k] < TOL}
     t, h, d, kk, n = SHAPE
-    torch.manual_seed(0)
-    q = torch.randn(t, h, d, device="cuda").bfloat16()
-    kv = torch.randn(n, d, device="cuda").bfloat16()
-    idx = torch.randint(0, n, (t, kk), device="cuda", dtype=torch.int32)
-    sink = torch.randn(h, device="cuda")
-    scale = d**-0.5
+    q, kv, idx, sink, scale = shape_inputs()
     flashmla = flashmla_sparse()
     if flashmla is not None:
         timed["FlashMLA"] = flashmla

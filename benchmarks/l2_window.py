@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import benchutil
-from benchmarks.attention_variants import ROUTED, SHAPE
+from benchmarks.attention_variants import ROUTED, SHAPE, hopper_gluon, shape_inputs
 from benchmarks.kernels_attention import Kernel, flashmla_sparse
 from benchmarks.kernels_common import _ms_eager
 
@@ -100,24 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.iters < 1:
         parser.error("--rounds and --iters must be at least 1")
-    from dsv4cp.kernels.attention_gluon import gluon_attention_available
+    if not hopper_gluon("benchmarks/l2_window.py"):
+        return 2
     from dsv4cp.kernels.attention_gluon_halves import sparse_attention_gluon_halves
 
-    if not torch.cuda.is_available() or not gluon_attention_available(
-        torch.empty(1, 64, 512, device="cuda")
-    ):
-        print("benchmarks/l2_window.py needs Gluon and a Hopper GPU")
-        return 2
     rt = _cudart()
     t, h, d, kk, n = SHAPE
-    torch.manual_seed(0)
-    q = torch.randn(t, h, d, device="cuda").bfloat16()
-    kv = torch.randn(n, d, device="cuda").bfloat16()
-    idx = torch.randint(0, n, (t, kk), device="cuda", dtype=torch.int32)
-    sink = torch.randn(h, device="cuda")
-    scale = d**-0.5
-    persisting = min(_attribute(rt, MAX_PERSISTING_L2), kv.numel() * kv.element_size())
-    nbytes = min(_attribute(rt, MAX_WINDOW_BYTES), kv.numel() * kv.element_size())
+    q, kv, idx, sink, scale = shape_inputs()
+    kv_bytes = kv.numel() * kv.element_size()
+    persisting = min(_attribute(rt, MAX_PERSISTING_L2), kv_bytes)
+    nbytes = min(_attribute(rt, MAX_WINDOW_BYTES), kv_bytes)
     _call(rt, "cudaDeviceSetLimit", LIMIT_PERSISTING_L2, ctypes.c_size_t(persisting))
     kernels: dict[str, Kernel] = {ROUTED: sparse_attention_gluon_halves}
     flashmla = flashmla_sparse()
@@ -125,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels["FlashMLA"] = flashmla
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}  torch {torch.__version__}; window {nbytes / 2**20:.1f} MiB of kv "
-          f"({kv.numel() * 2 / 2**20:.1f}), persisting limit {persisting / 2**20:.1f} MiB, "
+          f"({kv_bytes / 2**20:.1f}), persisting limit {persisting / 2**20:.1f} MiB, "
           f"hit ratio {args.hit_ratio}", flush=True)  # fmt: skip
     off = sparse_attention_gluon_halves(q, kv, idx, sink, scale)
     _set_window(rt, kv, nbytes, args.hit_ratio)
