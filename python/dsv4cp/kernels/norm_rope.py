@@ -51,6 +51,18 @@ def default_config(block_d: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _pairwise_row_sums(v, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each row's sum of v [BLOCK_T, BLOCK_D] (BLOCK_D a power of two) as a fixed tree: columns
+    2j and 2j + 1 added, then the same on the halves. Each step is one commutative add, so the
+    sum does not depend on the layout Triton gives v; a plain tl.sum's order does, and the dense
+    and encoded variants of this kernel (different layouts, from their stores) then normalized
+    some rows an ulp apart."""
+    for i in tl.static_range(BLOCK_D.bit_length() - 1):
+        v = tl.sum(tl.reshape(v, [BLOCK_T, BLOCK_D >> (i + 1), 2]), 2)
+    return tl.reshape(v, [BLOCK_T])
+
+
+@triton.jit
 def _load_prep(
     x_ptr,
     g_ptr,
@@ -264,7 +276,7 @@ def _norm_rope_kernel(
     )
     inv = tl.full([BLOCK_T], 1.0, tl.float32)
     if NORM:
-        inv = rsqrt(tl.sum(x * x, 1) / D + eps, PRECISE)
+        inv = rsqrt(_pairwise_row_sums(x * x, BLOCK_T, BLOCK_D) / D + eps, PRECISE)
         x = x * inv[:, None]
         if HAS_W:
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
