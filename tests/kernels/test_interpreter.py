@@ -41,6 +41,7 @@ FAST = [
     "index_queries",
     "mqa_logits_qat",
     "rms_norm_rows",
+    "norm_sum_order",
 ]
 SLOW = ["topk_ties_wide", "attention_real_dims"]
 
@@ -411,6 +412,26 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             got = rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
             want = ops.rope_index_queries(qp, pos, dr, 160000.0, yarn, head_dim=di, quant=quant)
             same_bits(got, want)
+
+    def norm_sum_order():
+        # the norm/RoPE kernel adds a row's squares as a fixed pairwise tree (columns 2j, 2j + 1,
+        # then the halves; zero padding to the power of two), the same in every compiled
+        # variant (docs/performance.md §31): its fp32 output equals that tree in torch bit for
+        # bit, and on this data the plain sum (another order) gives other bits. With tl.sum in
+        # the kernel instead, this case fails (tried).
+        torch.manual_seed(23)
+        t, d, eps = 64, 320, 1e-6
+        x = (torch.randn(t, d) * 3).bfloat16()
+        w = torch.rand(d) + 0.5
+        got = compressed_latent(x, w, eps, torch.float32)
+        xf = x.float()
+        s = torch.nn.functional.pad(xf * xf, (0, 512 - d))
+        while s.shape[1] > 1:
+            s = s[:, 0::2] + s[:, 1::2]
+        want = xf * torch.rsqrt(s / d + eps) * w
+        assert torch.equal(got, want), (got - want).abs().max()
+        plain = xf * torch.rsqrt((xf * xf).sum(1, keepdim=True) / d + eps) * w
+        assert not torch.equal(plain, want)
 
     def rms_norm_rows():
         # the same fp32 steps but the sum of squares' order: within one bf16 rounding of the
