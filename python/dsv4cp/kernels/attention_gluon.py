@@ -35,6 +35,7 @@ try:  # Gluon ships with Triton ≥ 3.4; the module imports without a GPU
     from triton.experimental.gluon.language.nvidia.hopper import (
         async_copy,
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
@@ -87,6 +88,30 @@ if HAVE_GLUON:
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
         ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kvn + cols[None, :]
         async_copy.async_copy_global_to_shared(kv_buf, ptrs, mask=ok[:, None])
+
+    @gluon.jit
+    def _copy_query(q_row, q_smem, stride_qh, H: gl.constexpr, D: gl.constexpr,
+                    LD: gl.constexpr):  # fmt: skip
+        """cp.async of the query's [H, D] rows into `q_smem` (the warp-specialised loaders'
+        start; each kernel announces their landing its own way)."""
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
+        )
+
+    @gluon.jit
+    def _normalize_half(o, l_own, l_one, l_smem, l_bar, WG: gl.constexpr, ROWS: gl.constexpr,
+                        O_L: gl.constexpr):  # fmt: skip
+        """Math warpgroup WG's output half over the row's whole running sum: its own, the other
+        warpgroup's (exchanged once through l_smem behind l_bar) and the sink's (a row with no
+        valid key: 0)."""
+        l_smem.index(WG).store(l_own)
+        mbarrier.arrive(l_bar, count=1)
+        mbarrier.wait(l_bar, 0)
+        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
+        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
+        return o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
 
     @gluon.jit
     def _sink_start(sink_ptr, H: gl.constexpr, ROWS: gl.constexpr):

@@ -57,17 +57,19 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dsv4cp.kernels.attention_gluon import _cta_barrier, _rescale, _sink_start
+    from dsv4cp.kernels.attention_gluon import (
+        _copy_query,
+        _cta_barrier,
+        _normalize_half,
+        _rescale,
+        _sink_start,
+    )
 
     @gluon.jit
     def _load_query_counted(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr,
                             D: gl.constexpr, LD: gl.constexpr):  # fmt: skip
         """The query by cp.async; each loader thread's copies arrive on `q_ready` (count 128)."""
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
-        )
+        _copy_query(q_row, q_smem, stride_qh, H, D, LD)
         async_copy.mbarrier_arrive(q_ready, increment_count=False)
 
     @gluon.jit
@@ -76,12 +78,8 @@ if HAVE_GLUON:
                            ROWS: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
         """o / (both halves' l + the sink's), staged in `o_smem` (the query's buffer, free
         once both warpgroups pass `l_bar`), then stored 8 bf16 a thread."""
-        l_smem.index(WG).store(l_own)
-        mbarrier.arrive(l_bar, count=1)
-        mbarrier.wait(l_bar, 0)  # both warpgroups past their last q·kᵀ: q's buffer free
-        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
-        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
-        o = o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
+        # past l_bar both warpgroups are past their last q·kᵀ: q's buffer is free
+        o = _normalize_half(o, l_own, l_one, l_smem, l_bar, WG, ROWS, O_L)
         half = o_smem.slice(WG * HALF, HALF, dim=1)
         half.store(o.to(gl.bfloat16))
         _cta_barrier()

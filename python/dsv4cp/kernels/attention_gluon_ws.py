@@ -55,18 +55,21 @@ if HAVE_GLUON:
         warpgroup_mma,
     )
 
-    from dsv4cp.kernels.attention_gluon import _cta_barrier, _issue_tile, _rescale, _sink_start
+    from dsv4cp.kernels.attention_gluon import (
+        _copy_query,
+        _cta_barrier,
+        _issue_tile,
+        _normalize_half,
+        _rescale,
+        _sink_start,
+    )
 
     @gluon.jit
     def _load_query(q_row, q_smem, q_ready, stride_qh, H: gl.constexpr, D: gl.constexpr,
                     LD: gl.constexpr):  # fmt: skip
         """The loader's start: the query's [H, D] rows by cp.async, then, once every loader
         thread's copies have landed, one arrive on q_ready."""
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_row + heads[:, None] * stride_qh + cols[None, :]
-        )
+        _copy_query(q_row, q_smem, stride_qh, H, D, LD)
         async_copy.commit_group()
         async_copy.wait_group(0)
         _cta_barrier()
@@ -80,12 +83,7 @@ if HAVE_GLUON:
         """The kernel's end: math warpgroup WG adds the other's running sum (exchanged once
         through l_smem) to its own and the sink's, and stores its output columns
         [WG·HALF, (WG+1)·HALF) (a row with no valid key: 0)."""
-        l_smem.index(WG).store(l_own)
-        mbarrier.arrive(l_bar, count=1)
-        mbarrier.wait(l_bar, 0)
-        l_sum = l_one + (l_own + l_smem.index(1 - WG).load(ROWS))
-        l_sum = gl.where(l_sum > 0.0, l_sum, 1.0)
-        o = o / gl.convert_layout(l_sum, gl.SliceLayout(1, O_L))[:, None]
+        o = _normalize_half(o, l_own, l_one, l_smem, l_bar, WG, ROWS, O_L)
         heads = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
         cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
         gl.store(out_row + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16))
