@@ -1,8 +1,10 @@
 """Sparse MQA attention with a per-head sink logit over one dense bf16 kv source, written in Gluon
 for Hopper (sm_90): the Triton kernel's math (kernels/attention.py, twin
 ops.attention.sparse_attention) with the layouts and the asynchronous wgmma chosen by hand.
-This file holds the shared pieces (availability, argument checks, the cp.async gather of a tile)
-and the pipelined kernel; kernels/attention_gluon_ws.py holds the warp-specialised one.
+This file holds the shared pieces (availability, argument checks, the cp.async gathers of a tile
+and of the query, the sink's start, the online-softmax step, the two math warpgroups' final
+division) and the pipelined kernel; kernels/attention_gluon_ws.py holds the warp-specialised one,
+kernels/attention_gluon_halves.py the half-buffer one.
 
 The pipelined kernel: one program per query, all 64 heads, 8 warps = two warpgroups, no warp
 specialisation. What Triton's own layouts could not give (docs/performance.md §1, *Why it
