@@ -4,11 +4,14 @@ FakeCPGroup CP ∈ {1, 2}; batches above the largest bucket fall back to eager."
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from dsv4cp.config import DeepseekV41Config
 from dsv4cp.cp.launch import run_cp
+from dsv4cp.graphs.bcg import BreakableGraph, eager_break
 from dsv4cp.graphs.runner import GraphConfig
 from dsv4cp.kernels import indexer_topk
 from dsv4cp.model import DeepseekV41Model
@@ -17,6 +20,8 @@ from dsv4cp.runner import PrefillRunner
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    # the FakeCPGroup runs left empty segments between breaks, and torch warned of each
+    pytest.mark.filterwarnings("error:The CUDA Graph is empty"),
 ]
 
 TOL = 1e-4  # fp32; GEMMs over bucket rows may pick other kernels than over live rows
@@ -80,3 +85,24 @@ def test_graph_replay_equals_eager_on_the_scan_route(monkeypatch: pytest.MonkeyP
     assert max(diffs) < TOL, diffs
     assert caches < 1e-3, caches
     assert fallbacks == 2
+
+
+def test_two_breaks_in_a_row_leave_an_empty_segment_that_is_not_replayed() -> None:
+    x = torch.arange(8.0, device="cuda")
+
+    def fn() -> torch.Tensor:
+        a = eager_break(lambda t: t + 1, x * 2)
+        b = eager_break(lambda t: t * 3, a)
+        return b - 1
+
+    graph = BreakableGraph()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = graph.capture(fn)
+    assert not [w for w in caught if "CUDA Graph is empty" in str(w.message)]
+    assert graph.num_segments == 3 and graph.empty == {1}
+    for _ in range(2):
+        x.add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, (x * 2 + 1) * 3 - 1)

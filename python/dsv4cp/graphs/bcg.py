@@ -3,7 +3,8 @@
 `BreakableGraph.capture(fn)` runs `fn` on a capture stream (given, or a `side_stream` that no
 other live owner holds: fake CP ranks capture concurrently); inside it, `eager_break(fn, *args)`
 ends the current segment, runs `fn(*args)` eagerly, keeps its output as a bridge buffer and
-begins the next segment. `replay()` replays segment 0, re-runs break 0 and copies its fresh
+begins the next segment (a segment left empty, e.g. by two breaks in a row, is not replayed).
+`replay()` replays segment 0, re-runs break 0 and copies its fresh
 result into the bridge buffer, replays segment 1, and so on. All segments share one memory pool
 (several graphs, e.g. one per token bucket, can share it too). Outside a capture `eager_break`
 just calls `fn`.
@@ -18,6 +19,7 @@ would silently lose side-stream work at replay, so `eager_break` raises there
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from dsv4cp.executors import open_fork_lanes
 from dsv4cp.side_streams import side_stream
 
 _state = threading.local()
+_warnings_lock = threading.Lock()  # catch_warnings swaps global state; fake CP ranks are threads
 
 
 class GraphBreakError(RuntimeError):
@@ -56,6 +59,7 @@ class BreakableGraph:
     stream: torch.cuda.Stream | None = None
     segments: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     breaks: list[_Break] = field(default_factory=list)
+    empty: set[int] = field(default_factory=set)  # segments with no work: not replayed
     output: Any = None
 
     def _begin(self) -> None:
@@ -64,7 +68,17 @@ class BreakableGraph:
         self.segments.append(g)
 
     def _end(self) -> None:
-        self.segments[-1].capture_end()
+        # A segment with no work (two breaks in a row, or a break that ends the forward) is
+        # empty; torch warns about it at capture_end. It is kept for the break order, not
+        # replayed, and that warning is not passed on; any other warning is.
+        with _warnings_lock, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.segments[-1].capture_end()
+        for w in caught:
+            if "CUDA Graph is empty" in str(w.message):
+                self.empty.add(len(self.segments) - 1)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if self.pool is None:
             self.pool = self.segments[-1].pool()
 
@@ -78,6 +92,7 @@ class BreakableGraph:
                 pass
         self.segments.clear()
         self.breaks.clear()
+        self.empty.clear()
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         if in_capture():
@@ -106,7 +121,8 @@ class BreakableGraph:
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
             for i, seg in enumerate(self.segments):
-                seg.replay()
+                if i not in self.empty:
+                    seg.replay()
                 if i < len(self.breaks):
                     b = self.breaks[i]
                     b.out.copy_(b.fn(*b.args))
