@@ -4,10 +4,9 @@
 other live owner holds: fake CP ranks capture concurrently); inside it, `eager_break(fn, *args)`
 ends the current segment, runs `fn(*args)` eagerly, keeps its output as a bridge buffer and
 begins the next segment (a segment left empty, e.g. by two breaks in a row, is not replayed).
-`replay()` replays segment 0, re-runs break 0 and copies its fresh
-result into the bridge buffer, replays segment 1, and so on. All segments share one memory pool
-(several graphs, e.g. one per token bucket, can share it too). Outside a capture `eager_break`
-just calls `fn`.
+`replay()` replays segment 0, re-runs break 0 and copies its fresh result into the bridge
+buffer, replays segment 1, and so on. All segments share one memory pool (several graphs,
+e.g. one per token bucket, can share it too). Outside a capture `eager_break` just calls `fn`.
 
 Breaks exist only where a non-capturable collective is needed (FakeCPGroup's cross-thread
 gathers, put behind breaks by `graphs.runner.EagerBreakCPGroup`); NCCL gathers and everything
