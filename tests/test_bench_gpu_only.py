@@ -10,7 +10,9 @@ import torch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-@pytest.mark.parametrize("name", ["fp4_dequant", "fp8_dequant", "indexer_scan", "layer_profile"])
+@pytest.mark.parametrize(
+    "name", ["fp4_dequant", "fp8_dequant", "fp8_gemm_gluon", "indexer_scan", "layer_profile"]
+)
 def test_refuses_without_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     bench = importlib.import_module(f"benchmarks.{name}")
     assert bench.main(["--out", "/nonexistent/never-written.json"]) == 2
