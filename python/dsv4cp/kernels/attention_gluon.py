@@ -28,10 +28,11 @@ kernel and FlashMLA. -1 indices (and indices ≥ N) are masked; a row with no va
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
-try:  # Gluon ships with Triton ≥ 3.4; the module imports without a GPU
+from dsv4cp.kernels._gluon import HAVE_GLUON, compile_sm90
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,11 +44,7 @@ try:  # Gluon ships with Triton ≥ 3.4; the module imports without a GPU
         warpgroup_mma_wait,
     )
 
-    # one CTA-wide barrier: `thread_barrier` in Triton 3.6 (the device), `barrier` from 3.7
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
+    from dsv4cp.kernels._gluon import cta_barrier as _cta_barrier
 
 HEADS = 64  # the MMA's M: one warpgroup's 64 rows
 HEAD_DIM = 512
@@ -254,23 +251,10 @@ def launch_per_query(
 
 
 def compile_for_sm90(kernel: object, options: dict[str, int], **const: int) -> object:
-    """Compile a kernel of this module's argument list for sm_90 without a GPU, with the
-    divisibility hints a real launch gives pointers and strides: Triton's compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    names = kernel.arg_names  # type: ignore[attr-defined]
+    """Compile a kernel of this module's argument list for sm_90 without a GPU: Triton's
+    compiled kernel (`_gluon.compile_sm90`)."""
     types = ["*bf16", "*bf16", "*i32", "*fp32", "*bf16", "i32", "i32", "fp32"] + ["i32"] * 6
-    const = dict(H=HEADS, D=HEAD_DIM, **const)
-    sig = dict(zip(names, types + ["constexpr"] * len(const)))
-    hinted = [i for i, n in enumerate(names[: len(types)])
-              if types[i].startswith("*") or n.startswith("stride")]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
-    return triton.compile(
-        GluonASTSource(kernel, sig, constexprs=const, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=options,
-    )
+    return compile_sm90(kernel, types, options, dict(H=HEADS, D=HEAD_DIM, **const))
 
 
 def sparse_attention_gluon(

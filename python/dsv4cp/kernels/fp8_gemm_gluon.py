@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv4cp.kernels._gluon import HAVE_GLUON, compile_sm90
 from dsv4cp.ops.linear import WEIGHT_BLOCK, check_fp8_blocks
 
 BM = 128  # activation rows per program (two warpgroups of 64)
@@ -44,7 +45,7 @@ MMA_WARPS = 8
 MAXNREG = 168
 FEED_REGS = 104
 
-try:
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,12 +56,7 @@ try:
         warpgroup_mma_wait,
     )
 
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
-
-if HAVE_GLUON:
+    from dsv4cp.kernels._gluon import cta_barrier as _cta_barrier
 
     @gluon.jit
     def _issue(a_rows, w_rows, a_ok, w_ok, a_smem, w8_smem, ready, mma_done, k,
@@ -214,20 +210,7 @@ def fp8_gemm_gluon(a: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dt
 def compile_fp8_gemm_for_sm90(e8m0: bool = True) -> object:
     """The kernel compiled for sm_90 without a GPU (tests: it compiles, its partitions' registers
     and shared memory)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    kernel = _fp8_gemm_kernel
     types = ["*bf16", "*fp8e4nv", "*u8" if e8m0 else "*fp32", "*bf16"] + ["i32"] * 7
-    const = _constexprs(e8m0)
-    names = kernel.arg_names
-    sig = dict(zip(names, types + ["constexpr"] * len(const)))
-    hinted = [i for i, nm in enumerate(names[: len(types)]) if types[i].startswith("*")
-              or nm.startswith("stride")]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
-    return triton.compile(
-        GluonASTSource(kernel, sig, constexprs=const, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=MMA_WARPS, maxnreg=MAXNREG),
+    return compile_sm90(
+        _fp8_gemm_kernel, types, dict(num_warps=MMA_WARPS, maxnreg=MAXNREG), _constexprs(e8m0)
     )
