@@ -143,7 +143,7 @@ def _cli(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def test_cli_refuses_a_bad_value_before_any_work() -> None:
     for extra, said in [
-        ({"DSV4CP_FP8_GEMM": "fused"}, "DSV4CP_FP8_GEMM must be one of auto, triton, cublas"),
+        ({"DSV4CP_FP8_GEMM": "fused"}, "DSV4CP_FP8_GEMM must be one of auto, triton, cublas, glu"),
         ({"DSV4CP_KERNELS_OFF": "no_such_route"}, "unknown routes ['no_such_route']"),
         ({"DSV4CP_FLASHMLA_WORKSPACE_MIB": "1 GiB"}, "DSV4CP_FLASHMLA_WORKSPACE_MIB must be"),
     ]:

@@ -158,10 +158,12 @@ _TABLE = (
     ),
     EnvVar(
         "DSV4CP_FP8_GEMM",
-        _choice("auto", "triton", "cublas"),
+        _choice("auto", "triton", "cublas", "gluon"),
         "auto",
         "the fp8 GEMMs: auto takes cuBLAS over the dequantized weight from 512 rows with bf16 "
-        "in and out, else the Triton kernel; triton / cublas force one at every size",
+        "in and out, else the Triton kernel; triton / cublas force one at every size; gluon "
+        "takes the Gluon kernel on the fp8 weight (Hopper) where auto takes cuBLAS without a "
+        "kept bf16 weight",
     ),
     EnvVar(
         "DSV4CP_FLASHMLA",

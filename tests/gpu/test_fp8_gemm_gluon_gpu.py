@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsv4cp.kernels import fp8_gemm_gluon as gemm
+from dsv4cp.kernels import fp8_linear
 from dsv4cp.ops import linear as ops_linear
 
 pytestmark = [
@@ -80,3 +81,26 @@ def test_bad_operands_are_refused() -> None:
         gemm.fp8_gemm_gluon(a[:, :48], w[:, :48], scale[:, :2])
     with pytest.raises(ValueError, match="bf16"):
         gemm.fp8_gemm_gluon(a.float(), w, scale)
+
+
+def test_fp8_linear_routes_to_it_under_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4CP_FP8_GEMM=gluon: `fp8_linear` at 2,048 bf16 rows is `gluon_mm` (the activation's
+    quantization, then this kernel), within the summation bound of the cuBLAS route; with a kept
+    bf16 weight it stays on cuBLAS, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(2, 1024, 1280, device="cuda", generator=g).bfloat16()
+    w, scale = ops_linear.quantize_fp8_blocks(torch.randn(4096, 1280, device="cuda") * 0.02)
+    monkeypatch.setenv(fp8_linear.FP8_GEMM_FLAG, "gluon")
+    got = fp8_linear.fp8_linear(x, w, scale)
+    assert got.shape == (2, 1024, 4096)
+    a = fp8_linear.quantized_act_bf16(x.reshape(-1, 1280))
+    assert torch.equal(got.reshape(-1, 4096), gemm.fp8_gemm_gluon(a, w, scale))
+    b = ops_linear.dequant_fp8_blocks(w, scale)
+    want = fp8_linear.dequant_mm(x, w, scale).reshape(-1, 4096).double()
+    bound = 1280 * 2.0**-24 * (a.float().abs() @ b.abs().t()).double()
+    big = torch.maximum(got.reshape(-1, 4096).double().abs(), want.abs())
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
+    assert bool(((got.reshape(-1, 4096).double() - want).abs() <= bound + 2 * ulp).all())
+    dense = fp8_linear.dequant_weight_bf16(w, scale)
+    kept = fp8_linear.fp8_linear(x, w, scale, dense=dense)
+    assert torch.equal(kept, fp8_linear.dequant_mm(x, w, scale, dense=dense))

@@ -61,6 +61,29 @@ def test_launchers_reject_bad_shapes() -> None:
         fp8_linear(torch.zeros(2, 64), w, torch.ones(2, 3))
 
 
+def test_gluon_mode_replaces_only_the_cublas_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4CP_FP8_GEMM=gluon: the Gluon kernel where auto takes cuBLAS on the per-call
+    dequantized weight; a kept bf16 weight stays on cuBLAS, small or fp32-out GEMMs and the
+    interpreter on the Triton kernel; on a CPU tensor the kernel refuses by name."""
+    from dsv4cp.kernels import fp8_linear as kernel
+
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    monkeypatch.setenv(kernel.FP8_GEMM_FLAG, "gluon")
+    big, small = torch.zeros(512, 96).bfloat16(), torch.zeros(511, 96).bfloat16()
+    assert kernel._gemm_backend(big, torch.bfloat16) == "gluon"
+    assert kernel._gemm_backend(big, torch.bfloat16, kept=True) == "cublas"
+    assert kernel._gemm_backend(big, torch.float32) == "triton"
+    assert kernel._gemm_backend(small, torch.bfloat16) == "triton"
+    monkeypatch.setenv(kernel.FP8_GEMM_FLAG, "auto")
+    assert kernel._gemm_backend(big, torch.bfloat16) == "cublas"
+    monkeypatch.setenv(kernel.FP8_GEMM_FLAG, "gluon")
+    w = torch.zeros(64, 96).to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="fp8_gemm_gluon: needs a Hopper GPU"):
+        kernel.fp8_linear(big, w, torch.ones(2, 3))
+    monkeypatch.setattr(kernel, "interpreting", lambda: True)
+    assert kernel._gemm_backend(big, torch.bfloat16) == "triton"
+
+
 def test_act_quant_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
     from dsv4cp.kernels.fp8_linear import _act_quant_kernel

@@ -511,7 +511,7 @@ def test_cli_hook_refuses_a_bad_dsv4cp_variable(
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "sglang serve: error: dsv4cp: DSV4CP_FP8_GEMM must be one of auto, triton, cublas, "
-        "got 'cutlass'"
+        "gluon, got 'cutlass'"
     )
 
 

@@ -9,7 +9,7 @@ weight tile on the warps that issue the MMAs, from registers, and ran at half cu
 Here the decode has its own warps and the tensor cores read both operands from shared memory:
 
 - feeder (4 warps): cp.async of the activation tile [BM, 32] (bf16) and the weight tile
-  [BN, 32] (e4m3 codes) of each K step into stage (step % S), S − 1 steps ahead, each thread's
+  [BN, 32] (e4m3 codes) of each K step into stage (step % S), AHEAD steps ahead, each thread's
   copies arriving on ready[stage] (count 128, no increment); then, step by step, the codes times
   their row block's scale (a step of 32 columns is one scale column) rounded to bf16 (exact)
   into the stage's bf16 weight tile, announced on conv[stage]. (A separate converter partition
@@ -22,8 +22,8 @@ Here the decode has its own warps and the tensor cores read both operands from s
 One output tile per program, programs ordered M-fastest so consecutive programs share a weight
 tile through L2. Needs K % 32 == 0 (every Flash projection). Twin:
 `ops.linear.dequant_fp8_blocks` + torch.mm (same products; summation order differs within the
-bound tests/gpu/test_fp8_gemm_gluon_gpu.py checks). Not routed: `benchmarks/fp8_gemm_gluon.py`
-measures it against the shipped route first.
+bound tests/gpu/test_fp8_gemm_gluon_gpu.py checks). Routed by `kernels.fp8_linear` under
+`DSV4CP_FP8_GEMM=gluon` only; `benchmarks/fp8_gemm_gluon.py` measures it against the cuBLAS route.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ BN = 256  # weight rows (output columns) per program
 BK = 32  # K per step: one scale column
 STAGES = 6  # 6 × (8 + 8 + 16) KiB of shared memory
 MMA_WARPS = 8
-# registers a thread: the launch's limit for 12 warps, then what `setmaxnreg` gives the feeder;
-# the MMA warpgroups get the rest, (3·168 − 104) / 2 = 200 (the fp32 accumulator alone is 128;
+# registers a thread: the launch's limit for 12 warps, then what `setmaxnreg` gives the feeder
+# (104 spills once the next step's scales are prefetched); the MMA warpgroups get the rest,
+# (3·168 − 120) / 2 = 192 (the fp32 accumulator alone is 128;
 # ptxas needs ≥ 154 at the wgmma, so loads and conversion share one 4-warp partition)
 MAXNREG = 168
-FEED_REGS = 104
+FEED_REGS = 120
+AHEAD = STAGES - 2  # K steps the copies run ahead of the conversion (≤ STAGES − 1)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -70,14 +72,26 @@ if HAVE_GLUON:
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
     @gluon.jit
+    def _scale(s_rows, k, E8M0: gl.constexpr):
+        """Step k's block scale of each weight row, fp32."""
+        if E8M0:  # the byte b → 2^(b − 127) as ops.quant.e8m0_to_float
+            b = gl.load(s_rows + k).to(gl.int32)
+            sc = (b << 23).to(gl.float32, bitcast=True)
+            sc = gl.where(b == 0, 2.0**-127, sc)
+            sc = gl.where(b == 255, float("nan"), sc)
+        else:
+            sc = gl.load(s_rows + k)
+        return sc
+
+    @gluon.jit
     def _feeder(a_ptr, w_ptr, scale_ptr, a_smem, w8_smem, wb_smem, ready, conv, mma_done, M,
                 N, off_m, off_n, steps, stride_a, stride_w, stride_s, BM: gl.constexpr,
-                BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                E8M0: gl.constexpr):  # fmt: skip
-        """Loads run up to S − 1 steps ahead of the conversion: step k's codes × their rows'
-        block scale → bf16 (exact) into wb_smem[k % S], announced on conv once the stage's
-        activation tile has landed too. wb_smem[k % S]'s use k − S was consumed before step
-        k's loads were issued."""
+                BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, E8M0: gl.constexpr,
+                AHEAD: gl.constexpr):  # fmt: skip
+        """Copies run AHEAD (≤ S − 1) steps ahead of the conversion: step k's codes × their
+        rows' block scale → bf16 (exact) into wb_smem[k % S], announced on conv once the
+        stage's activation tile has landed too. The stage's use k − S was consumed before step
+        k's copies were issued. The next step's scales are loaded while this step converts."""
         LA: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # 16 B of bf16
         LW: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # 16 B of e4m3
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -91,17 +105,13 @@ if HAVE_GLUON:
         w_ok = (rw < N)[:, None] & (cw < BK)[None, :]
         rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
         s_rows = scale_ptr + (gl.minimum(rows, N - 1) // 32).to(gl.int64) * stride_s
-        for k in range(gl.minimum(steps, S - 1)):
+        for k in range(gl.minimum(steps, AHEAD)):
             _issue(a_rows, w_rows, a_ok, w_ok, a_smem, w8_smem, ready, mma_done, k, BK, S)
+        sc_next = _scale(s_rows, 0, E8M0)
         for k in range(steps):
             s = k % S
-            if E8M0:  # the byte b → 2^(b − 127) as ops.quant.e8m0_to_float
-                b = gl.load(s_rows + k).to(gl.int32)
-                sc = (b << 23).to(gl.float32, bitcast=True)
-                sc = gl.where(b == 0, 2.0**-127, sc)
-                sc = gl.where(b == 255, float("nan"), sc)
-            else:
-                sc = gl.load(s_rows + k)
+            sc = sc_next
+            sc_next = _scale(s_rows, gl.minimum(k + 1, steps - 1), E8M0)
             mbarrier.wait(ready.index(s), (k // S) & 1)
             codes = w8_smem.index(s).load(LC)
             vals = (codes.to(gl.float32) * sc[:, None]).to(gl.bfloat16)
@@ -109,11 +119,12 @@ if HAVE_GLUON:
             fence_async_shared()
             _cta_barrier()  # every feeder thread's stores and landed copies, then one arrive
             mbarrier.arrive(conv.index(s), count=1)
-            # after step k's conversion, not before: the MMA frees step k − 1's stage (which
-            # these loads wait for) only once it has step k's tile
-            if k + S - 1 < steps:
+            # after step k's conversion, not before: the MMA frees step k − 1's stage only
+            # once it has step k's tile, so AHEAD = S − 1 runs the two in lock step and
+            # AHEAD = S − 2 lets the conversion run up to two steps ahead of the MMA
+            if k + AHEAD < steps:
                 _issue(a_rows, w_rows, a_ok, w_ok, a_smem, w8_smem, ready, mma_done,
-                       k + S - 1, BK, S)  # fmt: skip
+                       k + AHEAD, BK, S)  # fmt: skip
 
     @gluon.jit
     def _mma(out_ptr, a_smem, wb_smem, conv, mma_done, M, N, off_m, off_n, steps,
@@ -146,7 +157,7 @@ if HAVE_GLUON:
     def _fp8_gemm_kernel(
         a_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_a, stride_w, stride_s, stride_o,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-        E8M0: gl.constexpr, WARPS: gl.constexpr, FEED_REGS: gl.constexpr,
+        E8M0: gl.constexpr, WARPS: gl.constexpr, FEED_REGS: gl.constexpr, AHEAD: gl.constexpr,
     ):  # fmt: skip
         num_m = gl.cdiv(M, BM)
         pid = gl.program_id(0)
@@ -172,27 +183,35 @@ if HAVE_GLUON:
                      stride_o, BM, BN, BK, S, WARPS)),
              (_feeder, (a_ptr, w_ptr, scale_ptr, a_smem, w8_smem, wb_smem, ready, conv,
                         mma_done, M, N, off_m, off_n, steps, stride_a, stride_w, stride_s, BM,
-                        BN, BK, S, E8M0))],
+                        BN, BK, S, E8M0, AHEAD))],
             [4], [FEED_REGS])  # fmt: skip
 
 
 def _constexprs(e8m0: bool) -> dict[str, int]:
     return dict(BM=BM, BN=BN, BK=BK, S=STAGES, E8M0=int(e8m0), WARPS=MMA_WARPS,
-                FEED_REGS=FEED_REGS)  # fmt: skip
+                FEED_REGS=FEED_REGS, AHEAD=AHEAD)  # fmt: skip
+
+
+def require_hopper(t: Tensor) -> None:
+    """Refuse, by name, a tensor that is not on a Hopper GPU (sm_90) or a Triton without Gluon."""
+    if not HAVE_GLUON:
+        raise RuntimeError("fp8_gemm_gluon: this Triton has no Gluon")
+    if not t.is_cuda or torch.cuda.get_device_capability(t.device) != (9, 0):
+        name = torch.cuda.get_device_name(t.device) if t.is_cuda else str(t.device)
+        raise RuntimeError(f"fp8_gemm_gluon: needs a Hopper GPU (sm_90), got {name}")
 
 
 def fp8_gemm_gluon(a: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
                    ) -> Tensor:  # fmt: skip
     """a [M, K] bf16 (an exact quantized activation) · (w [N, K] e4m3 × its 32×32 block scales)ᵀ
     → [M, N] in out_dtype (default a's), on a Hopper GPU."""
-    if not HAVE_GLUON:
-        raise RuntimeError("fp8_gemm_gluon: this Triton has no Gluon")
     n, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, "fp8_gemm_gluon")
     if a.dim() != 2 or a.shape[1] != k or a.dtype != torch.bfloat16 or not a.is_cuda:
         raise ValueError(f"fp8_gemm_gluon: a must be CUDA bf16 [M, {k}], got "
                          f"{a.dtype} {tuple(a.shape)}")  # fmt: skip
     if k % BK:
         raise ValueError(f"fp8_gemm_gluon: K must be a multiple of {BK}, got {k}")
+    require_hopper(a)
     a = a if a.stride(1) == 1 and a.stride(0) % 8 == 0 else a.contiguous()
     w = w if w.stride(1) == 1 and w.stride(0) % 16 == 0 else w.contiguous()
     e8m0 = w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8)

@@ -26,7 +26,9 @@ summed in cuBLAS's order instead of K order: the fp32 sums differ by rounding (�
 so a bf16 output can sit one rounding away from the Triton kernel's. Measured on the H200
 (`benchmarks/fp8_gemm.py`, 16K rows at the attention's shapes): this kernel 114–122 TFLOP/s,
 `dequant_mm` 314–745 (2.7–6.3× faster), within one bf16 rounding of it. `DSV4CP_FP8_GEMM=triton`
-keeps this kernel for every size, `=cublas` takes cuBLAS for every size.
+keeps this kernel for every size, `=cublas` takes cuBLAS for every size. `=gluon` (Hopper) takes
+`kernels.fp8_gemm_gluon` where auto takes cuBLAS without a kept bf16 weight (`gluon_mm`: the same
+exact products, the weight decoded in shared memory instead of written to HBM per call).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import Tensor
 from dsv4cp import env_vars
 from dsv4cp.kernels._triton import e4m3_rne, interpreting, pow2_ceil
 from dsv4cp.kernels.fp8_dequant import dequant_fp8_blocks
+from dsv4cp.kernels.fp8_gemm_gluon import fp8_gemm_gluon, require_hopper
 from dsv4cp.ops.linear import (
     WEIGHT_BLOCK,
     check_dense_weight,
@@ -228,13 +231,15 @@ FP8_GEMM_FLAG = "DSV4CP_FP8_GEMM"
 CUBLAS_MIN_ROWS = 512  # below it the weight's per-call dequantization is not paid back
 
 
-def _gemm_backend(x: Tensor, out_dtype: torch.dtype) -> str:
+def _gemm_backend(x: Tensor, out_dtype: torch.dtype, kept: bool = False) -> str:
     mode: str = env_vars.read(FP8_GEMM_FLAG)
-    if mode != "auto":
+    if mode in ("triton", "cublas"):
         return mode
     rows = x.numel() // max(x.shape[-1], 1)
     big = rows >= CUBLAS_MIN_ROWS and x.dtype == out_dtype == torch.bfloat16
-    return "cublas" if big and not interpreting() else "triton"
+    if not big or interpreting():
+        return "triton"
+    return "gluon" if mode == "gluon" and not kept else "cublas"
 
 
 def fp8_linear(
@@ -251,8 +256,11 @@ def fp8_linear(
     bf16 GEMMs take cuBLAS over exact bf16 operands (module docstring), zeroing the rows where
     `rows_valid` is False inside the activation quantization (no pass of its own); `dense` (the
     weight kept dequantized, bf16 [N, K]) replaces that route's per-call dequantization."""
-    if _gemm_backend(x, out_dtype or x.dtype) == "cublas":
+    backend = _gemm_backend(x, out_dtype or x.dtype, kept=dense is not None)
+    if backend == "cublas":
         return dequant_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid, dense=dense)
+    if backend == "gluon":
+        return gluon_mm(x, w, w_scale, out_dtype=out_dtype, rows_valid=rows_valid)
     if dense is not None:  # checked as on the cuBLAS route, though this kernel reads the codes
         check_dense_weight(dense, *_check_gemm_args(x, w, w_scale))
     x = zero_invalid_rows(x, rows_valid)
@@ -283,6 +291,23 @@ def dequant_mm(
     a = quantized_act_bf16(x.reshape(-1, k), check_rows_valid(x, rows_valid))
     out = torch.mm(a, (dense if dense is not None else dequant_weight_bf16(w, w_scale)).t())
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
+
+
+def gluon_mm(
+    x: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    rows_valid: Tensor | None = None,
+) -> Tensor:
+    """`dequant_mm`'s exact products through `kernels.fp8_gemm_gluon` (Hopper): the quantized
+    activation as bf16 times the fp8 weight decoded in shared memory, no bf16 weight in HBM."""
+    n, k = _check_gemm_args(x, w, w_scale)
+    require_hopper(x)
+    a = quantized_act_bf16(x.reshape(-1, k), check_rows_valid(x, rows_valid))
+    out = fp8_gemm_gluon(a, w, w_scale, out_dtype=out_dtype or x.dtype)
+    return out.view(*x.shape[:-1], n)
 
 
 def quantized_act_bf16(x: Tensor, rows_valid: Tensor | None = None) -> Tensor:
