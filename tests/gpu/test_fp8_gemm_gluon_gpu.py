@@ -39,6 +39,12 @@ def _operands(m: int, n: int, k: int, seed: int, e8m0: bool = True
     return a, w, torch.exp2(scale.float() - 127)
 
 
+def _bf16_ulp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp at the larger of |x| and |y|, elementwise (float64)."""
+    big = torch.maximum(x.double().abs(), y.double().abs())
+    return torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(2048, 32768, 1280), (2048, 5120, 8192), (2048, 1792, 5120), (1999, 300, 96), (5, 256, 32)],
@@ -54,8 +60,7 @@ def test_against_the_exact_products(m: int, n: int, k: int) -> None:
     assert bool((err <= bound).all())
     got16 = gemm.fp8_gemm_gluon(a, w, scale)
     want16 = exact.bfloat16()
-    big = torch.maximum(got16.double().abs(), want16.double().abs())
-    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
+    ulp = _bf16_ulp(got16, want16)
     assert bool(((got16.double() - want16.double()).abs() <= bound + ulp).all())
 
 
@@ -91,16 +96,16 @@ def test_fp8_linear_routes_to_it_under_the_flag(monkeypatch: pytest.MonkeyPatch)
     x = torch.randn(2, 1024, 1280, device="cuda", generator=g).bfloat16()
     w, scale = ops_linear.quantize_fp8_blocks(torch.randn(4096, 1280, device="cuda") * 0.02)
     monkeypatch.setenv(fp8_linear.FP8_GEMM_FLAG, "gluon")
-    got = fp8_linear.fp8_linear(x, w, scale)
-    assert got.shape == (2, 1024, 4096)
+    out = fp8_linear.fp8_linear(x, w, scale)
+    assert out.shape == (2, 1024, 4096)
+    got = out.reshape(-1, 4096)
     a = fp8_linear.quantized_act_bf16(x.reshape(-1, 1280))
-    assert torch.equal(got.reshape(-1, 4096), gemm.fp8_gemm_gluon(a, w, scale))
+    assert torch.equal(got, gemm.fp8_gemm_gluon(a, w, scale))
     b = ops_linear.dequant_fp8_blocks(w, scale)
-    want = fp8_linear.dequant_mm(x, w, scale).reshape(-1, 4096).double()
+    want = fp8_linear.dequant_mm(x, w, scale).reshape(-1, 4096)
     bound = 1280 * 2.0**-24 * (a.float().abs() @ b.abs().t()).double()
-    big = torch.maximum(got.reshape(-1, 4096).double().abs(), want.abs())
-    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
-    assert bool(((got.reshape(-1, 4096).double() - want).abs() <= bound + 2 * ulp).all())
+    ulp = _bf16_ulp(got, want)
+    assert bool(((got.double() - want.double()).abs() <= bound + 2 * ulp).all())
     dense = fp8_linear.dequant_weight_bf16(w, scale)
     kept = fp8_linear.fp8_linear(x, w, scale, dense=dense)
     assert torch.equal(kept, fp8_linear.dequant_mm(x, w, scale, dense=dense))
