@@ -61,6 +61,24 @@ if HAVE_GLUON:
     from dsv4cp.kernels._gluon import cta_barrier as _cta_barrier
 
     @gluon.jit
+    def _copy_pointers(a_ptr, w_ptr, M, N, off_a, off_w, stride_a, stride_w,
+                       A_ROWS: gl.constexpr, W_ROWS: gl.constexpr,
+                       BK: gl.constexpr):  # fmt: skip
+        """Step 0's source addresses and masks of the activation tile [A_ROWS, BK] (bf16) and
+        the weight-code tile [W_ROWS, BK] (e4m3), 16 B a thread a copy (4 warps)."""
+        LA: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # 16 B of bf16
+        LW: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # 16 B of e4m3
+        ra = off_a + gl.arange(0, A_ROWS, layout=gl.SliceLayout(1, LA))
+        ca = gl.arange(0, BK, layout=gl.SliceLayout(0, LA))
+        rw = off_w + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, LW))
+        cw = gl.arange(0, BK, layout=gl.SliceLayout(0, LW))
+        a_rows = a_ptr + ra.to(gl.int64)[:, None] * stride_a + ca[None, :]
+        w_rows = w_ptr + rw.to(gl.int64)[:, None] * stride_w + cw[None, :]
+        a_ok = (ra < M)[:, None] & (ca < BK)[None, :]
+        w_ok = (rw < N)[:, None] & (cw < BK)[None, :]
+        return a_rows, w_rows, a_ok, w_ok
+
+    @gluon.jit
     def _issue(a_rows, w_rows, a_ok, w_ok, a_smem, w8_smem, ready, mma_done, k,
                BK: gl.constexpr, S: gl.constexpr):  # fmt: skip
         """Step k's two tiles by cp.async into stage k % S once its use k − S is consumed; each
@@ -92,17 +110,9 @@ if HAVE_GLUON:
         rows' block scale → bf16 (exact) into wb_smem[k % S], announced on conv once the
         stage's activation tile has landed too. The stage's use k − S was consumed before step
         k's copies were issued. The next step's scales are loaded while this step converts."""
-        LA: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # 16 B of bf16
-        LW: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # 16 B of e4m3
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        ra = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LA))
-        ca = gl.arange(0, BK, layout=gl.SliceLayout(0, LA))
-        rw = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-        cw = gl.arange(0, BK, layout=gl.SliceLayout(0, LW))
-        a_rows = a_ptr + ra.to(gl.int64)[:, None] * stride_a + ca[None, :]
-        w_rows = w_ptr + rw.to(gl.int64)[:, None] * stride_w + cw[None, :]
-        a_ok = (ra < M)[:, None] & (ca < BK)[None, :]
-        w_ok = (rw < N)[:, None] & (cw < BK)[None, :]
+        a_rows, w_rows, a_ok, w_ok = _copy_pointers(a_ptr, w_ptr, M, N, off_m, off_n, stride_a,
+                                                    stride_w, BM, BN, BK)  # fmt: skip
         rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
         s_rows = scale_ptr + (gl.minimum(rows, N - 1) // 32).to(gl.int64) * stride_s
         for k in range(gl.minimum(steps, AHEAD)):
@@ -201,22 +211,29 @@ def require_hopper(t: Tensor) -> None:
         raise RuntimeError(f"fp8_gemm_gluon: needs a Hopper GPU (sm_90), got {name}")
 
 
-def fp8_gemm_gluon(a: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
-                   ) -> Tensor:  # fmt: skip
-    """a [M, K] bf16 (an exact quantized activation) · (w [N, K] e4m3 × its 32×32 block scales)ᵀ
-    → [M, N] in out_dtype (default a's), on a Hopper GPU."""
-    n, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, "fp8_gemm_gluon")
+def gemm_operands(a: Tensor, w: Tensor, w_scale: Tensor, name: str
+                  ) -> tuple[Tensor, Tensor, Tensor, bool]:  # fmt: skip
+    """Check a Gluon fp8-weight GEMM's operands (by `name`) and lay them out for its copies:
+    (a, w, the scales as bytes or fp32, whether they are e8m0 bytes)."""
+    _, k = check_fp8_blocks(w, w_scale, WEIGHT_BLOCK, name)
     if a.dim() != 2 or a.shape[1] != k or a.dtype != torch.bfloat16 or not a.is_cuda:
-        raise ValueError(f"fp8_gemm_gluon: a must be CUDA bf16 [M, {k}], got "
-                         f"{a.dtype} {tuple(a.shape)}")  # fmt: skip
+        raise ValueError(f"{name}: a must be CUDA bf16 [M, {k}], got {a.dtype} {tuple(a.shape)}")
     if k % BK:
-        raise ValueError(f"fp8_gemm_gluon: K must be a multiple of {BK}, got {k}")
+        raise ValueError(f"{name}: K must be a multiple of {BK}, got {k}")
     require_hopper(a)
     a = a if a.stride(1) == 1 and a.stride(0) % 8 == 0 else a.contiguous()
     w = w if w.stride(1) == 1 and w.stride(0) % 16 == 0 else w.contiguous()
     e8m0 = w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
     s = (w_scale.view(torch.uint8) if e8m0 else w_scale.float()).contiguous()
-    m = a.shape[0]
+    return a, w, s, e8m0
+
+
+def fp8_gemm_gluon(a: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None
+                   ) -> Tensor:  # fmt: skip
+    """a [M, K] bf16 (an exact quantized activation) · (w [N, K] e4m3 × its 32×32 block scales)ᵀ
+    → [M, N] in out_dtype (default a's), on a Hopper GPU."""
+    a, w, s, e8m0 = gemm_operands(a, w, w_scale, "fp8_gemm_gluon")
+    (m, k), n = a.shape, w.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
     if m and n:
         grid = (-(-m // BM) * -(-n // BN),)
