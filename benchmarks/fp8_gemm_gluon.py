@@ -1,16 +1,15 @@
-"""The warp-specialised Gluon fp8-weight GEMMs (`kernels/fp8_gemm_gluon.py`, the decoded weight in
-shared memory; `kernels/fp8_gemm_gluon_regs.py`, in registers) against the shipped cuBLAS route,
-at the Flash attention projections' shapes and a CP rank's rows.
+"""The warp-specialised Gluon fp8-weight GEMM (`kernels/fp8_gemm_gluon.py`) against the shipped
+cuBLAS route, at the Flash attention projections' shapes and a CP rank's rows.
 
 Per (GEMM, rows), CUDA-graph replays of (ms, median): `shipped` = `dequant_mm` (the activation's
-quantization, the weight's per-call dequantization, cuBLAS bf16); `gluon` / `regs` = the same
-quantization, then `fp8_gemm_gluon` / `fp8_gemm_gluon_regs` on the fp8 weight; `kept` = the
-quantization and cuBLAS on a kept bf16 weight (`dense=`, opt-in: the floor of any per-call
-route); `gemm_only` the Gluon kernel alone (`regs_only` the registers one) and `bf16_mm` cuBLAS
-alone on the same operands, with their TFLOP/s. Ratios: gluon / shipped and regs / shipped
-(< 1: faster), gemm_only / bf16_mm and regs_only / bf16_mm. Also the largest |Δ| between the
-shipped and the gluon route's bf16 outputs in bf16 ulps of the output's magnitude (the summation
-orders differ), and whether the two Gluon kernels' fp32 outputs are the same bits.
+quantization, the weight's per-call dequantization, cuBLAS bf16); `gluon` = the same
+quantization, then `fp8_gemm_gluon` on the fp8 weight; `kept` = the quantization and cuBLAS on a
+kept bf16 weight (`dense=`, opt-in: the floor of any per-call route); `gemm_only` the Gluon
+kernel alone and `bf16_mm` cuBLAS alone on the same operands, with their TFLOP/s; `ungrouped`
+the kernel alone with one weight tile per program group (token tile fastest at every size, against
+`group_width`'s choice, column `group`). Ratios: gluon / shipped (< 1: faster), gemm_only / bf16_mm
+and ungrouped / gemm_only. Also the largest |Δ| between the two
+routes' bf16 outputs in bf16 ulps of the output's magnitude (the summation orders differ).
 
     PYTHONPATH=python python -m benchmarks.fp8_gemm_gluon --out out/fp8_gemm_gluon.json
 """
@@ -37,12 +36,6 @@ def _gluon_route(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
     return fp8_gemm_gluon(quantized_act_bf16(x), w, w_scale)
 
 
-def _regs_route(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
-    from dsv4cp.kernels.fp8_gemm_gluon_regs import fp8_gemm_gluon_regs
-
-    return fp8_gemm_gluon_regs(quantized_act_bf16(x), w, w_scale)
-
-
 # (name, K, N): wq_a+wkv (5120 → 1280 + 512), wq_b (1280 → 64·512), wo_b (8192 → 5120)
 SHAPES = [("wqkv_a", 5120, 1792), ("wq_b", 1280, 32768), ("wo_b", 8192, 5120)]
 
@@ -58,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             "fp8_gemm_gluon: needs a CUDA GPU of compute capability 9.0 (Hopper)", file=sys.stderr
         )
         return 2
-    from dsv4cp.kernels.fp8_gemm_gluon import fp8_gemm_gluon
-    from dsv4cp.kernels.fp8_gemm_gluon_regs import fp8_gemm_gluon_regs
+    from dsv4cp.kernels.fp8_gemm_gluon import fp8_gemm_gluon, group_width
 
     name = torch.cuda.get_device_name()
     table = Table(title=f"fp8-weight GEMM: Gluon vs the cuBLAS route, bf16, {name}")
@@ -76,17 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             big = torch.maximum(shipped.float().abs(), routed.float().abs()).clamp_min(1e-30)
             ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
             diff_ulps = float(((shipped.float() - routed.float()).abs() / ulp).max())
-            same32 = torch.equal(
-                fp8_gemm_gluon(a, w, w_scale, out_dtype=torch.float32),
-                fp8_gemm_gluon_regs(a, w, w_scale, out_dtype=torch.float32),
-            )
             timed = {
                 "shipped": partial(dequant_mm, x, w, w_scale),
                 "gluon": partial(_gluon_route, x, w, w_scale),
-                "regs": partial(_regs_route, x, w, w_scale),
                 "kept": partial(dequant_mm, x, w, w_scale, dense=dense),
                 "gemm_only": partial(fp8_gemm_gluon, a, w, w_scale),
-                "regs_only": partial(fp8_gemm_gluon_regs, a, w, w_scale),
+                "ungrouped": partial(fp8_gemm_gluon, a, w, w_scale, group=1),
                 "bf16_mm": partial(torch.mm, a, dense.t()),
             }
             row: dict[str, Any] = {"gemm": gemm, "rows": m, "K": k, "N": n, "dtype": "bf16"}
@@ -94,14 +81,12 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{key}_ms"] = time_graph(fn, iters=args.iters, replays_per_iter=5)["median_ms"]
             flops = 2.0 * m * n * k
             row["gemm_only_tflops"] = tflops(flops, row["gemm_only_ms"])
-            row["regs_only_tflops"] = tflops(flops, row["regs_only_ms"])
             row["bf16_mm_tflops"] = tflops(flops, row["bf16_mm_ms"])
             row["gluon_over_shipped"] = row["gluon_ms"] / row["shipped_ms"]
-            row["regs_over_shipped"] = row["regs_ms"] / row["shipped_ms"]
             row["gemm_only_over_bf16_mm"] = row["gemm_only_ms"] / row["bf16_mm_ms"]
-            row["regs_only_over_bf16_mm"] = row["regs_only_ms"] / row["bf16_mm_ms"]
+            row["group"] = group_width(m, n, k)
+            row["ungrouped_over_gemm_only"] = row["ungrouped_ms"] / row["gemm_only_ms"]
             row["max_diff_bf16_ulps"] = diff_ulps
-            row["gluon_fp32_same_bits"] = same32
             rows.append(row)
             table.add(row)
     table.print()

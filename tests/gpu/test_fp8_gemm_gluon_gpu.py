@@ -1,7 +1,6 @@
-"""GPU (Hopper): kernels/fp8_gemm_gluon and kernels/fp8_gemm_gluon_regs against their twin, the
-exact products summed in fp32.
+"""GPU (Hopper): kernels/fp8_gemm_gluon against its twin, the exact products summed in fp32.
 
-Each kernel's `(a, w, scale)` multiplies the same exact bf16 operands as `dequant_mm` (the
+`fp8_gemm_gluon(a, w, scale)` multiplies the same exact bf16 operands as `dequant_mm` (the
 quantized activation, the weight's codes × block scales), so its fp32 output differs from the
 twin's exact dot by the summation order only: |Δ| ≤ K·2⁻²⁴·Σ|a·b| (tensor cores may truncate:
 the same K·u bound cuBLAS gets in test_fp8_linear), and a bf16 output by that plus one bf16 ulp.
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from dsv4cp.kernels import fp8_gemm_gluon as gemm
-from dsv4cp.kernels import fp8_gemm_gluon_regs as gemm_regs
 from dsv4cp.kernels import fp8_linear
 from dsv4cp.ops import linear as ops_linear
 
@@ -27,8 +25,6 @@ pytestmark = [
     ),
     pytest.mark.skipif(not gemm.HAVE_GLUON, reason="needs Triton's Gluon"),
 ]
-
-KERNELS = {"smem": gemm.fp8_gemm_gluon, "regs": gemm_regs.fp8_gemm_gluon_regs}
 
 
 def _operands(m: int, n: int, k: int, seed: int, e8m0: bool = True
@@ -49,31 +45,30 @@ def _bf16_ulp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(big)))
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
+# (2048, 5120, 8192): a 32 MiB activation, so programs run in groups of 16 weight tiles (40 = 16
+# + 16 + 8); (300, 130, 224): 7 steps, the odd step after the loop
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(2048, 32768, 1280), (2048, 5120, 8192), (2048, 1792, 5120), (1999, 300, 96), (5, 256, 32),
      (300, 130, 224)],
 )  # fmt: skip
-def test_against_the_exact_products(kernel: str, m: int, n: int, k: int) -> None:
-    fn = KERNELS[kernel]
+def test_against_the_exact_products(m: int, n: int, k: int) -> None:
     a, w, scale = _operands(m, n, k, seed=m + n + k)
     b = ops_linear.dequant_fp8_blocks(w, scale)  # fp32, exact
     exact = a.double() @ b.double().t()
-    got32 = fn(a, w, scale, out_dtype=torch.float32)
+    got32 = gemm.fp8_gemm_gluon(a, w, scale, out_dtype=torch.float32)
     bound = k * 2.0**-24 * (a.float().abs() @ b.abs().t()).double()
     err = (got32.double() - exact).abs()
     print(f"{m}x{n}x{k}: max |Δ|/bound {float((err / bound).max()):.3g}")
     assert bool((err <= bound).all())
-    got16 = fn(a, w, scale)
+    got16 = gemm.fp8_gemm_gluon(a, w, scale)
     want16 = exact.bfloat16()
     ulp = _bf16_ulp(got16, want16)
     assert bool(((got16.double() - want16.double()).abs() <= bound + ulp).all())
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("e8m0", [True, False])
-def test_exact_sums_give_the_twins_bits(kernel: str, e8m0: bool) -> None:
+def test_exact_sums_give_the_twins_bits(e8m0: bool) -> None:
     """Small-integer operands: every partial sum is exact in fp32, so any order gives the same
     bits as the cuBLAS route over the dequantized weight (fp32 scales take the other branch)."""
     m, n, k = 640, 1024, 2048
@@ -84,17 +79,30 @@ def test_exact_sums_give_the_twins_bits(kernel: str, e8m0: bool) -> None:
     byte = torch.randint(125, 129, shape, device="cuda", dtype=torch.uint8, generator=g)
     scale = byte.view(torch.float8_e8m0fnu) if e8m0 else torch.exp2(byte.float() - 127)
     want = a.float() @ ops_linear.dequant_fp8_blocks(w, scale).t()
-    got = KERNELS[kernel](a, w, scale, out_dtype=torch.float32)
+    got = gemm.fp8_gemm_gluon(a, w, scale, out_dtype=torch.float32)
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
-def test_bad_operands_are_refused(kernel: str) -> None:
+def test_the_program_order_does_not_change_the_bits() -> None:
+    """Each output tile's sum is the same whichever order the programs run in: one weight tile
+    per group, the default grouping (16 at this 32 MiB activation), and 7 (a partial last group
+    of 40 tiles)."""
+    a, w, scale = _operands(2048, 5120, 8192, seed=9)
+    assert gemm.group_width(2048, 5120, 8192) == 16
+    want = gemm.fp8_gemm_gluon(a, w, scale, out_dtype=torch.float32)
+    for group in (1, 7):
+        got = gemm.fp8_gemm_gluon(a, w, scale, out_dtype=torch.float32, group=group)
+        assert torch.equal(got, want), group
+
+
+def test_bad_operands_are_refused() -> None:
     a, w, scale = _operands(64, 256, 64, seed=1)
     with pytest.raises(ValueError, match="multiple of 32"):
-        KERNELS[kernel](a[:, :48], w[:, :48], scale[:, :2])
+        gemm.fp8_gemm_gluon(a[:, :48], w[:, :48], scale[:, :2])
     with pytest.raises(ValueError, match="bf16"):
-        KERNELS[kernel](a.float(), w, scale)
+        gemm.fp8_gemm_gluon(a.float(), w, scale)
+    with pytest.raises(ValueError, match="group must be"):
+        gemm.fp8_gemm_gluon(a, w, scale, group=0)
 
 
 def test_fp8_linear_routes_to_it_under_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,26 +1,80 @@
-"""kernels/fp8_gemm_gluon compiled for sm_90 without a GPU: the partitions' register grants,
-one m64n256k16 bf16 wgmma pair per K step, no local memory, shared memory within Hopper's."""
+"""kernels/fp8_gemm_gluon compiled for sm_90 without a GPU: m64n256k16 bf16 wgmmas whose A
+operand (the decoded weight) is four registers, no local memory, the loader's register grant,
+shared memory within Hopper's, and ptxas keeps the wgmmas asynchronous (it serializes them when a
+register operand is rewritten under an in-flight wgmma: the reason for the kernel's two register
+sets)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
+import triton
 
 from dsv4cp.kernels import fp8_gemm_gluon as gemm
 
 pytestmark = pytest.mark.skipif(not gemm.HAVE_GLUON, reason="needs Triton's Gluon")
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+PTXAS = BIN / "ptxas"
+CUOBJDUMP = BIN / "cuobjdump"
 
 
 @pytest.mark.parametrize("e8m0", [True, False])
 def test_compiles_for_sm90(e8m0: bool) -> None:
     kernel = gemm.compile_fp8_gemm_for_sm90(e8m0)
     ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
-    assert set(re.findall(r"wgmma\.mma_async\.\S+", ptx)) == {
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"
-    }
-    assert ptx.count("wgmma.mma_async") == gemm.BK // 16
+    mmas = re.findall(r"wgmma\.mma_async\.(\S+) \{[^}]*\}, (\{[^}]*\}|%rd\d+)", ptx)
+    assert mmas and {shape for shape, _ in mmas} == {"sync.aligned.m64n256k16.f32.bf16.bf16"}
+    assert all(re.fullmatch(r"\{%r\d+,%r\d+,%r\d+,%r\d+\}", a) for _, a in mmas), mmas[:2]
     assert "ld.local" not in ptx and "st.local" not in ptx
     grants = {int(v) for v in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
-    assert gemm.FEED_REGS in grants
+    assert gemm.LOAD_REGS in grants
     assert kernel.metadata.shared <= 227 * 1024  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
+def test_ptxas_keeps_the_wgmmas_asynchronous() -> None:
+    ptx = gemm.compile_fp8_gemm_for_sm90(True).asm["ptx"]  # type: ignore[attr-defined]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run(
+            [str(PTXAS), "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "serialized" not in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton ships no cuobjdump")
+def test_no_local_memory_between_the_wgmmas() -> None:
+    """The MMA warpgroups' loop (first to last HGMMA in the SASS) never touches local memory.
+    (Triton 3.8's ptxas spills 64 B of the loader's copy addresses around the partitions'
+    register hand-over, before its loop; the device's Triton 3.6 spills nothing: §35.)"""
+    cubin = gemm.compile_fp8_gemm_for_sm90(True).asm["cubin"]  # type: ignore[attr-defined]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run(
+            [str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    mma = [i for i, line in enumerate(sass) if "HGMMA" in line]
+    assert len(mma) == 6, len(mma)  # two k16 halves × (pair's two steps + the odd step)
+    local = [line for line in sass[mma[0] : mma[-1]] if re.search(r"\b(LDL|STL)\b", line)]
+    assert not local, local[:4]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "width"),
+    [(2048, 32768, 1280, 1), (2048, 1792, 5120, 1), (2048, 5120, 8192, 16),
+     (16384, 32768, 1280, 102), (16384, 1792, 5120, 14), (1 << 20, 100, 8192, 1)],
+)  # fmt: skip
+def test_group_width(m: int, n: int, k: int, width: int) -> None:
+    """Token tile fastest while the activation fits in L2; else weight tiles of ≤ 16 MiB a group,
+    at most every tile."""
+    assert gemm.group_width(m, n, k) == width

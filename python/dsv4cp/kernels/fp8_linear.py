@@ -28,7 +28,8 @@ so a bf16 output can sit one rounding away from the Triton kernel's. Measured on
 `dequant_mm` 314–745 (2.7–6.3× faster), within one bf16 rounding of it. `DSV4CP_FP8_GEMM=triton`
 keeps this kernel for every size, `=cublas` takes cuBLAS for every size. `=gluon` (Hopper) takes
 `kernels.fp8_gemm_gluon` where auto takes cuBLAS without a kept bf16 weight (`gluon_mm`: the same
-exact products, the weight decoded in shared memory instead of written to HBM per call).
+exact products, the weight decoded into registers instead of written to HBM per call; slower
+than auto on the H100: docs/performance.md §35).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def gluon_mm(
     rows_valid: Tensor | None = None,
 ) -> Tensor:
     """`dequant_mm`'s exact products through `kernels.fp8_gemm_gluon` (Hopper): the quantized
-    activation as bf16 times the fp8 weight decoded in shared memory, no bf16 weight in HBM."""
+    activation as bf16 times the fp8 weight decoded in registers, no bf16 weight in HBM."""
     n, k = _check_gemm_args(x, w, w_scale)
     require_hopper(x)
     a = quantized_act_bf16(x.reshape(-1, k), check_rows_valid(x, rows_valid))
