@@ -196,7 +196,7 @@ def _constexprs(e8m0: bool) -> dict[str, int]:
 def group_width(m: int, n: int, k: int) -> int:
     """Weight tiles per program group: 1 (token tile fastest) while the bf16 activation fits in
     L2_ACT_BYTES, else as many as fill L2_WEIGHT_BYTES, so a large activation is read from HBM
-    ⌈N / (BW · width)⌉ times instead of N / BW times (§35: 1.6–1.8× at 16,384 rows)."""
+    ⌈N / (BW · width)⌉ times instead of N / BW times (§35: 1.2–1.7× faster at 16,384 rows)."""
     if m * k * 2 <= L2_ACT_BYTES:
         return 1
     return max(1, min(-(-n // BW), L2_WEIGHT_BYTES // (BW * k)))
