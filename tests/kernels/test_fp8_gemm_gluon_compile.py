@@ -7,20 +7,16 @@ sets)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
-import triton
 
 from dsv4cp.kernels import fp8_gemm_gluon as gemm
+from tests.kernels.sm90_tools import assemble_sm90, sass_lines, tool
 
 pytestmark = pytest.mark.skipif(not gemm.HAVE_GLUON, reason="needs Triton's Gluon")
 
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-PTXAS = BIN / "ptxas"
-CUOBJDUMP = BIN / "cuobjdump"
+PTXAS = tool("ptxas")
+CUOBJDUMP = tool("cuobjdump")
 
 
 @pytest.mark.parametrize("e8m0", [True, False])
@@ -36,33 +32,23 @@ def test_compiles_for_sm90(e8m0: bool) -> None:
     assert kernel.metadata.shared <= 227 * 1024  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
+@pytest.mark.skipif(PTXAS is None, reason="no ptxas")
 def test_ptxas_keeps_the_wgmmas_asynchronous() -> None:
     ptx = gemm.compile_fp8_gemm_for_sm90(True).asm["ptx"]  # type: ignore[attr-defined]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run(
-            [str(PTXAS), "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
+    assert PTXAS is not None
+    res = assemble_sm90(ptx, PTXAS, verbose=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "serialized" not in res.stderr, res.stderr[-2000:]
 
 
-@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton ships no cuobjdump")
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump")
 def test_no_local_memory_between_the_wgmmas() -> None:
     """The MMA warpgroups' loop (first to last HGMMA in the SASS) never touches local memory.
     (Triton 3.8's ptxas spills 64 B of the loader's copy addresses around the partitions'
     register hand-over, before its loop; the device's Triton 3.6 spills nothing: §35.)"""
     cubin = gemm.compile_fp8_gemm_for_sm90(True).asm["cubin"]  # type: ignore[attr-defined]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run(
-            [str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+    assert CUOBJDUMP is not None
+    sass = sass_lines(cubin, CUOBJDUMP)
     mma = [i for i, line in enumerate(sass) if "HGMMA" in line]
     assert len(mma) == 6, len(mma)  # two k16 halves × (pair's two steps + the odd step)
     local = [line for line in sass[mma[0] : mma[-1]] if re.search(r"\b(LDL|STL)\b", line)]

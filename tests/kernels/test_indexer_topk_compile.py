@@ -7,14 +7,12 @@ on Hopper's tensor cores), in each of its three modes.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.kernels.sm90_tools import assemble_sm90, tool
 
 triton = pytest.importorskip("triton")
 
@@ -47,18 +45,10 @@ def _compile(
             pytest.skip(f"triton cannot target CUDA here: {exc}")
         raise
     ptx = kernel.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if ptxas.exists() or shutil.which("ptxas"):
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "k.ptx"
-            src.write_text(ptx)
-            exe = str(ptxas) if ptxas.exists() else "ptxas"
-            res = subprocess.run(
-                [exe, "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                capture_output=True,
-                text=True,
-            )
-            assert res.returncode == 0, res.stderr[-2000:]
+    ptxas = tool("ptxas")
+    if ptxas:
+        res = assemble_sm90(ptx, ptxas)
+        assert res.returncode == 0, res.stderr[-2000:]
     return ptx
 
 
