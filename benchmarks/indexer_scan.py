@@ -11,7 +11,9 @@ running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once)
 (fewer, larger cuts), `seed=off` (no seed: each piece's running top-k starts empty) and
 `seed_stride` 64 and 256 (a denser or sparser sample than the planned one). `route=scan` and
 `route=logits` time the plain top-k's two routes (`kernel.pick_route`: the shipped one is
-picked by width) on the index source. `--only` picks variants by name.
+picked by width and rows) on the index source, and in qat `route=logits/unpacked` the logits
+route with its logits kernel's bf16 roundings one value per instruction (before §36). `--only`
+picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights; 32 heads × 128, top-k 512, `--quant`), or with `--prefix P` that many rows after P
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"pieces={p}", {"pieces": int(p), "route": "scan"}) for p in args.pieces.split(",") if p
     ]
     variants += [("route=scan", {"route": "scan"}), ("route=logits", {"route": "logits"})]
+    if args.quant == "qat":
+        variants += [("route=logits/unpacked", {"route": "logits", "packed": False})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.only:
         names = set(args.only.split(","))
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 base_ms, base_out = 0.0, None
                 for variant in variants:
-                    if variant[0] == "route=logits" and role != "r2 index source":
+                    if variant[0].startswith("route=logits") and role != "r2 index source":
                         continue  # the logits route takes the plain top-k only
                     if variant[0].startswith("seed_stride") and "consumer" in role:
                         continue  # a consumer's selection takes no seed

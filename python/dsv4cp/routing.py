@@ -83,7 +83,8 @@ ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
 }
 
 # The indexer's logits fused with their selections (issue 15): the logits never reach memory
-# (a plain top-k over ≤ 8K keys takes the logits route: `kernels.indexer_topk.pick_route`).
+# (a plain top-k over ≤ 8K keys, or with a row per ≤ 4 keys, takes the logits route:
+# `kernels.indexer_topk.pick_route`).
 ROUTES.update(
     {
         "mqa_topk": (ops.mqa_topk, "dsv4cp.kernels.indexer_topk"),

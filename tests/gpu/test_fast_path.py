@@ -124,6 +124,7 @@ def test_fused_cached_topk_equals_the_unfused_gpu_path(
     # "full" scans; "full-logits" takes the plain top-k's logits route (`pick_route` by width,
     # which reads the limit in indexer_topk, the launcher's module)
     monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", n if role == "full-logits" else 0)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_KEYS_PER_ROW", 0)  # width alone decides
     role = role.removesuffix("-logits")
     q, w, cache, rows, nv, fmt = _index_inputs(t, n, 3, quant == "qat")
     logits = routing.kernel_of("mqa_logits_cached")(
@@ -160,6 +161,7 @@ def test_layer_stack_fast_path_against_triton(monkeypatch: pytest.MonkeyPatch, r
     source's top-k on either route (its 1K keys would take the logits route)."""
     _needs_flashmla()
     monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0 if route == "scan" else 8192)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_KEYS_PER_ROW", 0)  # width alone decides
     from benchmarks.layer_peer_setup import build_layers, make_context
 
     from dsv4cp.config import DeepseekV41Config

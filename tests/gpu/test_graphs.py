@@ -81,6 +81,7 @@ def test_graph_replay_equals_eager_on_the_scan_route(monkeypatch: pytest.MonkeyP
     """The same, CP 2 multistream, with the index sources' plain top-k on the fused scan: the
     tiny model's widths would take the logits route (`indexer_topk.pick_route`)."""
     monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_KEYS_PER_ROW", 0)  # nor by rows
     diffs, caches, fallbacks, _ = run_cp(2, _run, True, backend="fake")[0]
     assert max(diffs) < TOL, diffs
     assert caches < 1e-3, caches

@@ -82,6 +82,7 @@ def test_multistream_bit_identical_to_serial_on_the_scan_route(
     """CP 2, bf16, with the index sources' plain top-k on the fused scan (the tiny model's widths
     would take the logits route, `indexer_topk.pick_route`)."""
     monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_MAX_WIDTH", 0)
+    monkeypatch.setattr(indexer_topk, "LOGITS_ROUTE_KEYS_PER_ROW", 0)  # nor by rows
     serial = run_cp(2, _run, False, "bfloat16", False, 1, backend="fake")[0]
     multi = run_cp(2, _run, True, "bfloat16", False, 1, backend="fake")[0]
     _equal(serial[0], multi[0])

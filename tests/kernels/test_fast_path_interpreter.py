@@ -191,15 +191,16 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         return q, w, cache, rows, nv, ks, fmt
 
     def routes():
-        """The plain top-k's two routes in turn (`indexer_topk.pick_route` by width): the scan
-        (no width is narrow enough), then the logits route (every width is)."""
-        limit = kern.LOGITS_ROUTE_MAX_WIDTH
+        """The plain top-k's two routes in turn (`indexer_topk.pick_route` by width and rows):
+        the scan (no width is narrow enough, no row count large enough), then the logits route
+        (every width is)."""
+        limit, per_row = kern.LOGITS_ROUTE_MAX_WIDTH, kern.LOGITS_ROUTE_KEYS_PER_ROW
         try:
             for name, value in (("scan", 0), ("logits", 1 << 30)):
-                kern.LOGITS_ROUTE_MAX_WIDTH = value
+                kern.LOGITS_ROUTE_MAX_WIDTH, kern.LOGITS_ROUTE_KEYS_PER_ROW = value, value
                 yield name
         finally:
-            kern.LOGITS_ROUTE_MAX_WIDTH = limit
+            kern.LOGITS_ROUTE_MAX_WIDTH, kern.LOGITS_ROUTE_KEYS_PER_ROW = limit, per_row
 
     def run_both(qat: bool, seed: int, **kw: object):
         q, w, cache, rows, nv, ks, fmt = index_inputs(23, 4, 64, 170, qat, seed)

@@ -181,6 +181,34 @@ def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
     assert "wgmma.mma_async" in ptx
 
 
+def _logits_ptx(qat: bool, packed: bool) -> str:
+    """sm_90 PTX of `indexer_logits`' tile kernel (the logits route's) at its shipped config."""
+    from dsv4cp.kernels import indexer_logits as m
+
+    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
+    types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*fp32"] + ["i32"] * 9
+    const = dict(
+        HAS_KSTART=True, D=128, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=False,
+        DOT_PREC="tf32", QAT=qat, EMULATE=False, PACKED=packed,
+    )  # fmt: skip
+    return _compile(m._mqa_logits_kernel, types, const, warps, stages)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_logits_kernel_compiles_for_sm90(qat: bool) -> None:
+    """The logits route's kernel shares the heads loop and the packed qat steps with the scan."""
+    ptx = _logits_ptx(qat, packed=True)
+    assert "wgmma.mma_async" in ptx
+    if qat:
+        assert "mul.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
+        assert ptx.count("cvt.rn.bf16.f32") <= 4, ptx.count("cvt.rn.bf16.f32")
+
+
+def test_logits_kernel_unpacked_rounds_one_value_per_instruction() -> None:
+    ptx = _logits_ptx(qat=True, packed=False)
+    assert "mul.rn.bf16x2" not in ptx and ptx.count("cvt.rn.bf16.f32") >= 64
+
+
 @pytest.mark.parametrize("bits", [16, 32])
 def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
     """`kernels/topk`'s selections (the logits route's, the candidate blocks'), both searches."""

@@ -73,13 +73,21 @@ def test_launcher_limits() -> None:
         launch_mqa_topk(q, w, k, nv, 8, route="fused")
     with pytest.raises(ValueError, match="plain top-k only"):
         launch_mqa_topk(q, w, k, nv, 8, max_blocks=4, block_size=4, route="logits")
-    for knob in ({"config": (16, 32, 4, 1)}, {"pieces": 2}, {"cap": 64}, {"packed": False}):
+    for knob in ({"config": (16, 32, 4, 1)}, {"pieces": 2}, {"cap": 64}, {"consumer": "map"}):
         with pytest.raises(ValueError, match="knobs were given to the logits route"):
             launch_mqa_topk(q, w, k, nv, 8, route="auto", **knob)  # type: ignore[arg-type]
+    # `packed` is not refused there: the logits kernel's qat steps take it too
     from dsv4cp.kernels.indexer_topk import LOGITS_ROUTE_MAX_WIDTH, pick_route
 
     assert pick_route("auto", LOGITS_ROUTE_MAX_WIDTH, False) == "logits"
     assert pick_route("auto", LOGITS_ROUTE_MAX_WIDTH + 1, False) == "scan"
+    # wider: by rows, at least one per LOGITS_ROUTE_KEYS_PER_ROW keys (a cold prefill: 1 per ½)
+    from dsv4cp.kernels.indexer_topk import LOGITS_ROUTE_KEYS_PER_ROW as per_row
+
+    assert pick_route("auto", 32768, False, rows=65536) == "logits"
+    assert pick_route("auto", 65536, False, rows=65536 // per_row) == "logits"
+    assert pick_route("auto", 65536, False, rows=65536 // per_row - 1) == "scan"
+    assert pick_route("auto", 65536, True, rows=65536) == "scan"
     assert pick_route("auto", 16, True) == "scan"  # candidates always scan
 
 

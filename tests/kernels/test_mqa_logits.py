@@ -119,3 +119,18 @@ def test_qat_matches_ops(k_start: bool) -> None:
     out = mqa_logits(q, w, k, nv, k_start=ks, width=1300, quant="qat")
     want = ops.mqa_logits(q, w, k, nv, k_start=ks, width=1300, quant="qat")
     assert torch.equal(out, want)
+
+
+def test_qat_packed_equals_unpacked_on_random_inputs() -> None:
+    """The logits route's kernel in qat with its bf16 steps two values per instruction (packed,
+    the default) and one at a time: the same bits, on inputs whose dots are not exact (random
+    bf16, not fake-fp4), with -inf past each row's visible count."""
+    from dsv4cp.kernels.indexer_logits import launch_mqa_logits
+
+    t, h, d, n = 300, 32, 128, 2500
+    q, w, k = _inputs(t, h, d, n, seed=7)
+    nv = torch.randint(0, n + 1, (t,), device="cuda")
+    packed = launch_mqa_logits(q, w, k, nv, quant="qat")
+    unpacked = launch_mqa_logits(q, w, k, nv, quant="qat", packed=False)
+    assert torch.equal(packed, unpacked)
+    assert torch.isfinite(packed).any() and torch.isinf(packed).any()

@@ -1,6 +1,7 @@
 """One head's term of an index score and the head sum as the score, in Triton registers.
 
-The indexer kernels (`indexer_topk_scan`, `indexer_topk_gather`, `indexer_logits_cached`) form
+The indexer kernels (`indexer_topk_scan`, `indexer_topk_gather`, `indexer_logits_cached`,
+`indexer_logits`) form
 each logit as Σ_h relu(q_h·k)·w_h. quant="qat" (QAT constexpr): each head's term is the
 reference's bf16 steps, bf16(relu(bf16(s)) · bf16(w)), added in fp32 in head order 0…H−1 (the
 row-by-row paths: a tree over the heads) and the sum rounded to bf16 once: the index scores of

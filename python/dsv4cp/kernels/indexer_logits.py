@@ -13,7 +13,9 @@ bf16, relu'd, multiplied by the bf16-rounded head weight and rounded to bf16 aga
 added in order 0…H−1 in fp32 (the per-row kernel too, one head at a time), and the sum is rounded
 to bf16. q and k are then fake-fp4 values (bf16-exact), whose products are exact; the tensor
 core's fp32 sum over D equals the twin's exact dot whenever that dot fits fp32 (docs/
-quantization.md, "Index scores and top-k ties").
+quantization.md, "Index scores and top-k ties"). The tile kernel takes the heads loop and the
+packed bf16 steps (`index_score`: two values per inline-PTX block on the GPU, the same bits;
+1.25–1.36× on the logits route's node, docs/performance.md §36).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import dot_flags, interpreting, to_dtype
+from dsv4cp.kernels.index_score import add_heads, index_score
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
@@ -65,6 +68,7 @@ def _mqa_logits_kernel(
     DOT_PREC: tl.constexpr,
     QAT: tl.constexpr,
     EMULATE: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     # Row blocks that share one k_start (all of them without k_start); the others are left to
     # _mqa_logits_rows_kernel.
@@ -97,20 +101,9 @@ def _mqa_logits_kernel(
                 kt = kt.to(tl.float32)
             q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
             w_ptrs = w_ptr + rows.to(tl.int64) * stride_wt
-            for _ in tl.range(0, H, num_stages=STAGES):
-                qh = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-                wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
-                if UPCAST:
-                    qh = qh.to(tl.float32)
-                s = tl.dot(qh, kt, input_precision=DOT_PREC)
-                if QAT:
-                    acc += _qat_term(s, wh[:, None], EMULATE)
-                else:
-                    acc += tl.maximum(s, 0.0) * wh[:, None]
-                q_ptrs += stride_qh
-                w_ptrs += 1
-        if QAT:
-            acc = to_dtype(acc, tl.bfloat16, EMULATE).to(tl.float32)
+            acc = add_heads(acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, EMULATE, PACKED,
+                            UPCAST, DOT_PREC, STAGES)  # fmt: skip
+        acc = index_score(acc, QAT, EMULATE, PACKED)
         visible = cols[None, :] < nvis[:, None]
         tl.store(
             out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
@@ -237,8 +230,11 @@ def launch_mqa_logits(
     width: int | None = None,
     quant: QuantMode = "none",
     config: tuple[int, int, int, int] | None = None,
+    packed: bool = True,
 ) -> Tensor:
-    """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks)."""
+    """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks).
+    `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
+    same bits as `packed=False`, which rounds one value at a time)."""
     check_mqa_logits(q, weights, k, n_visible)
     qat = check_quant_mode(quant) == "qat"
     t, h, d = q.shape
@@ -290,6 +286,7 @@ def launch_mqa_logits(
         **dots,
         QAT=qat,
         EMULATE=interpreting(),
+        PACKED=packed and q.is_cuda,
         num_warps=warps,
         num_stages=stages,
     )

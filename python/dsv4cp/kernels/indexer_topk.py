@@ -16,12 +16,14 @@ the GPU, and picks the kernels:
   blocks where a row ends with fewer than K keys (exact either way);
 - `indexer_topk_gather`: a consumer at long context scores only its published blocks' keys.
 
-The plain top-k (an index source) of a narrow context takes the other route: the logits to
-memory in row chunks (`indexer_logits.mqa_logits`), then the selection kernel (`topk.launch_topk`)
-— the ops twin's own composition, the same selection (GPU test). Below LOGITS_ROUTE_MAX_WIDTH
-keys that is faster than the scan, whose running top-k per row costs more than the logits' trip
-to memory there (`benchmarks/indexer_scan.py --only route=scan,route=logits`, measured on the
-H200: docs/performance.md §13).
+The plain top-k (an index source) of a narrow context, or of a wide one with many rows, takes
+the other route: the logits to memory in row chunks (`indexer_logits.mqa_logits`), then the
+selection kernel (`topk.launch_topk`) — the ops twin's own composition, the same selection (GPU
+test). Below LOGITS_ROUTE_MAX_WIDTH keys, and with at least one row per
+LOGITS_ROUTE_KEYS_PER_ROW keys, that is faster than the scan, whose running top-k per row costs
+more than the logits' trip to memory there (`benchmarks/indexer_scan.py --only
+route=scan,route=logits`, docs/performance.md §13 on the H200, §36 on the H100 after the logits
+kernel's qat steps were packed); a CP rank's few rows over a long context keep the scan.
 
 quant="qat": the reference's bf16 index scores (`index_score`), so the selection is that of
 `ops.attention_quant.index_scores_qat` and deterministic per row (CP = N equals CP = 1).
@@ -31,6 +33,8 @@ decodes the keys into a dense workspace, then calls `launch_mqa_topk`.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import triton
@@ -51,6 +55,9 @@ MAX_MERGE = 16384  # keys merged in registers per row: pieces · K, or pieces ·
 MIN_PIECE = 4096  # narrowest piece worth a program
 SCRATCH_BUDGET_BYTES = 512 << 20  # row-selection buffers (+ block maxima / map) per launch
 LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, then selection
+# ... or wider, with at least one row per this many keys (docs/performance.md §36: on the H100
+# the logits route won 1.10–1.32× at 1 row per 0.5–4 keys, the scan at 1 per 16 and more)
+LOGITS_ROUTE_KEYS_PER_ROW = 4
 TOPK_ROUTES = ("auto", "scan", "logits")
 SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
@@ -128,8 +135,8 @@ def launch_mqa_topk(
     the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
     `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
-    scan_knobs = (config, pieces, cap, row_group, consumer, packed, seed_stride, seed_rank) != (
-        (None,) * 3 + (4, "auto", True, None, None)
+    scan_knobs = (config, pieces, cap, row_group, consumer, seed_stride, seed_rank) != (
+        (None,) * 3 + (4, "auto", None, None)
     )
     qat = check_quant_mode(quant) == "qat"
     key_bits = (16 if qat else 32) if key_bits is None else key_bits
@@ -147,7 +154,7 @@ def launch_mqa_topk(
         raise ValueError(f"mqa_topk kernel: block_size must be a power of two, got {block_size}")
     if k_start is not None and k_start.shape != (t,):
         raise ValueError(f"mqa_topk: k_start must be [{t}], got {tuple(k_start.shape)}")
-    use_logits = pick_route(route, width, member_mode or max_blocks > 0) == "logits"
+    use_logits = pick_route(route, width, member_mode or max_blocks > 0, t) == "logits"
     if use_logits and scan_knobs:
         raise ValueError("mqa_topk kernel: the scan's knobs were given to the logits route")
     if block_ids is not None and (block_ids.dim() != 2 or block_ids.shape[0] != t):
@@ -172,7 +179,7 @@ def launch_mqa_topk(
         return out, blocks_out
     if use_logits:
         return logits_then_topk(
-            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits
+            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits, packed
         ), None
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -286,15 +293,19 @@ def launch_mqa_topk(
     return out, blocks_out
 
 
-def pick_route(route: str, width: int, blocks: bool) -> str:
-    """ "scan" or "logits" for a launch of this `width`; `blocks`: a candidate source's or
-    consumer's selection (those always scan)."""
+def pick_route(route: str, width: int, blocks: bool, rows: int = 0) -> str:
+    """ "scan" or "logits" for a launch of `rows` query rows over this `width`; `blocks`: a
+    candidate source's or consumer's selection (those always scan). Auto takes the logits route
+    for a plain top-k over ≤ LOGITS_ROUTE_MAX_WIDTH keys, or over more when the rows are at
+    least a 1 / LOGITS_ROUTE_KEYS_PER_ROW share of the width (a cold prefill or a chunk after a
+    prefix up to ~4× its length; a CP rank's few rows over a long context keep the scan)."""
     if route not in TOPK_ROUTES:
         raise ValueError(f"mqa_topk kernel: route must be one of {TOPK_ROUTES}, got {route!r}")
     if route == "logits" and blocks:
         raise ValueError("mqa_topk kernel: the logits route takes the plain top-k only")
     if route == "auto":
-        return "logits" if not blocks and width <= LOGITS_ROUTE_MAX_WIDTH else "scan"
+        many_rows = rows * LOGITS_ROUTE_KEYS_PER_ROW >= width
+        return "logits" if not blocks and (width <= LOGITS_ROUTE_MAX_WIDTH or many_rows) else "scan"
     return route
 
 
@@ -308,14 +319,15 @@ def logits_then_topk(
     width: int,
     quant: QuantMode,
     key_bits: int = 32,
+    packed: bool = True,
 ) -> Tensor:
     """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
-    row chunks), with the kernels: `mqa_logits`, then `topk_indices` (its search over
-    `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
+    row chunks), with the kernels: `mqa_logits` (`packed` as `launch_mqa_logits`), then
+    `topk_indices` (its search over `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
     (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
         lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top, key_bits=key_bits)],
-        quant, logits_fn=launch_mqa_logits,
+        quant, logits_fn=partial(launch_mqa_logits, packed=packed),
     )  # fmt: skip
     return out
 

@@ -2,7 +2,7 @@
 reads the keys from the cache, the workspace entries' rows decoded once into a dense [N, D_I]
 workspace in q.dtype (`index_workspace`, bounded by the batch's entries: 256 B per entry in
 bf16), then selects through `indexer_topk.launch_mqa_topk` (the fused scan, or the logits route,
-by width: `indexer_topk.pick_route`).
+by width and rows: `indexer_topk.pick_route`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def mqa_topk_cached(
     """Triton twin of ops.indexer_topk.mqa_topk_cached: the workspace entries' index keys decoded
     once into a dense workspace [N, D_I] in q.dtype (`kv_decode.decode_gather`: exact, 256 B per
     entry in bf16 at D_I = 128), then the fused scan, or for a plain top-k over ≤
-    LOGITS_ROUTE_MAX_WIDTH keys the logits route (`launch_mqa_topk`, `pick_route`)."""
+    LOGITS_ROUTE_MAX_WIDTH keys (or a row per ≤ LOGITS_ROUTE_KEYS_PER_ROW keys) the logits
+    route (`launch_mqa_topk`, `pick_route`)."""
     d = q.shape[-1]
     keys = index_workspace(k_cache, k_rows, k_format, d, q.dtype)
     if block_ids is not None and max_blocks:

@@ -6,7 +6,8 @@ Each function is `mqa_logits` followed by the selection the layer makes from it 
 (`mqa_topk_among_blocks`). Rows are independent, so they are done in chunks whose fp32 logits fit
 `LOGITS_BUDGET_BYTES`; the result does not depend on the chunking. The Triton twins
 (`dsv4cp.kernels.indexer_topk`) never write the [rows, width] logits to memory, but for a
-plain top-k over ≤ 8K keys, which they compose as here (`pick_route`). `quant` is
+plain top-k over ≤ 8K keys or with at least one row per 4 keys, which they compose as here
+(`pick_route`). `quant` is
 `mqa_logits`'s: "qat" selects from the reference's bf16 index scores.
 
 `mqa_topk_cached` is the layer's one call: the keys are rows of the index-key cache in their
