@@ -25,21 +25,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import dot_flags, interpreting, to_dtype
-from dsv4cp.kernels.index_score import add_heads, index_score
+from dsv4cp.kernels._triton import dot_flags, interpreting
+from dsv4cp.kernels.index_score import add_heads, head_term, index_score
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
 # --sweep (608 TFLOP/s at T=2048, N=16384, H_I=32 against 560 with 3 stages).
 DEFAULT_CONFIG = (64, 128, 4, 2)
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _qat_term(s, w, EMULATE: tl.constexpr):
-    """bf16(relu(bf16(s)) · w) for fp32 s and bf16-valued w (the reference's bf16 einsum step)."""
-    s = tl.maximum(to_dtype(s, tl.bfloat16, EMULATE).to(tl.float32), 0.0)
-    return to_dtype(s * w, tl.bfloat16, EMULATE).to(tl.float32)
 
 
 @triton.jit
@@ -174,11 +167,11 @@ def _mqa_logits_rows_kernel(
                 wt = tl.load(w_ptr + t64 * stride_wt + hh, mask=h_ok, other=0.0)
                 s = tl.dot(qt, kt, input_precision=DOT_PREC)
                 if QAT:
-                    terms = _qat_term(s, wt[:, None], EMULATE)
+                    terms = head_term(s, wt[:, None], QAT, EMULATE, False)
                     row = tl.zeros([BLOCK_N], dtype=tl.float32)
                     for h in range(H):  # heads in order, as the main kernel adds them
                         row += tl.sum(tl.where(hh[:, None] == h, terms, 0.0), 0)
-                    row = to_dtype(row, tl.bfloat16, EMULATE).to(tl.float32)
+                    row = index_score(row, QAT, EMULATE, False)
                 else:
                     row = tl.sum(tl.maximum(s, 0.0) * wt[:, None], 0)
                 row = tl.where(cols < nv_t, row, float("-inf"))
