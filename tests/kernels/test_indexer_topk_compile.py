@@ -182,14 +182,15 @@ def test_cached_logits_kernel_compiles_for_sm90(qat: bool) -> None:
 
 
 def _logits_ptx(qat: bool, packed: bool) -> str:
-    """sm_90 PTX of `indexer_logits`' tile kernel (the logits route's) at its shipped config."""
+    """sm_90 PTX of `indexer_logits`' tile kernel as the logits route launches it (its shipped
+    config, the hidden logits unwritten)."""
     from dsv4cp.kernels import indexer_logits as m
 
     block_t, block_n, warps, stages = m.DEFAULT_CONFIG
     types = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*fp32"] + ["i32"] * 9
     const = dict(
         HAS_KSTART=True, D=128, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages, UPCAST=False,
-        DOT_PREC="tf32", QAT=qat, EMULATE=False, PACKED=packed,
+        DOT_PREC="tf32", QAT=qat, EMULATE=False, PACKED=packed, FILL=False,
     )  # fmt: skip
     return _compile(m._mqa_logits_kernel, types, const, warps, stages)
 
@@ -215,9 +216,10 @@ def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
     from dsv4cp.kernels import topk as m
 
     ptrs = ["*fp32", "*i32", "*i32"]
-    row = dict(K=512, OUT_BLOCK=512, BLOCK=8192, KEY_BITS=bits)
+    row = dict(K=512, OUT_BLOCK=512, BLOCK=8192, KEY_BITS=bits, NARROW=0)
     _compile(m._topk_row_kernel, ptrs + ["i32"] * 3, row, 4, 1)
-    piece = dict(K=512, BLOCK=16384, KEY_BITS=bits)
+    piece = dict(K=512, BLOCK=16384, KEY_BITS=bits, NARROW=16384)
     _compile(m._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
-    cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits)
+    cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits,
+                NARROW=16384)  # fmt: skip
     _compile(m._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)

@@ -311,6 +311,22 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             ops_chunks.LOGITS_BUDGET_BYTES = budget
         qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
+        # The route leaves the logits past n_visible unwritten (fill=False): the visible ones are
+        # fill=True's, and the selection never reads the others (+inf there changes nothing).
+        from dsv4cp.kernels.indexer_logits import launch_mqa_logits
+        from dsv4cp.kernels.topk import launch_topk
+
+        for kk, width, cfg in ((ks, 96, CFG), (None, None, CFG), (None, None, None)):
+            full = launch_mqa_logits(q, w, k, nv, k_start=kk, width=width, config=cfg)
+            part = launch_mqa_logits(q, w, k, nv, k_start=kk, width=width, config=cfg, fill=False)
+            seen = torch.arange(full.shape[1])[None, :] < nv[:, None]
+            assert torch.equal(part[seen], full[seen]), f"fill=False k_start={kk is not None}"
+            assert torch.all(full[~seen] == float("-inf"))
+            poisoned = full.masked_fill(~seen, float("inf"))
+            want = ops.mqa_topk(q, w, k, nv, 8, k_start=kk, width=width)
+            equal(launch_topk(poisoned, nv, 8), want, "the selection read a hidden logit")
+        equal(kern.launch_mqa_topk(q, w, k, nv, 8, route="logits", fill_logits=True)[0],
+              ops.mqa_topk(q, w, k, nv, 8), "fill_logits=True")  # fmt: skip
 
     def pieces_merged_raw_or_cut():
         # Several pieces: their running buffers go to the merge as they are when pieces · cap

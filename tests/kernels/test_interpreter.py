@@ -185,6 +185,19 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             got = launch_topk(logits, nv, k, piece=64, stream=32, cap=cap)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, want)
+        # split: rows with ≤ 130 visible keys (130, 25, 24: n > k, n = k + 1, n = k) by the row
+        # kernel in registers, the others by the two levels; 25: only the n ≤ k row there
+        for split in (130, 25):
+            got = launch_topk(logits, nv, k, piece=64, stream=32, split=split)
+            check_topk_valid(got, logits, nv, k)
+            assert torch.equal(got, want), split
+        for bad in (-1, 1 << 20):
+            try:
+                launch_topk(logits, nv, k, piece=64, split=bad)
+            except ValueError as e:
+                assert "split must be in" in str(e)
+            else:
+                raise AssertionError(f"split={bad} accepted")
 
     def topk_key_bits():
         # bf16-valued logits (both signs, heavy ties, ±inf): the 17-step search selects what the
@@ -199,7 +212,8 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         logits[3] = torch.randint(-3, 4, (w,)).float()
         nv = torch.tensor([300, 300, 257, 130, 25])
         want = ops.topk_indices(logits, nv, k)
-        for kw in ({}, {"piece": 64, "stream": 32}, {"piece": 64, "stream": 32, "cap": 32}):
+        for kw in ({}, {"piece": 64, "stream": 32}, {"piece": 64, "stream": 32, "cap": 32},
+                   {"piece": 64, "stream": 32, "split": 200}):  # fmt: skip
             for bits in (16, 32):
                 got = launch_topk(logits, nv, k, key_bits=bits, **kw)
                 check_topk_valid(got, logits, nv, k)

@@ -77,3 +77,27 @@ def test_unsupported_k_raises() -> None:
     logits = torch.randn(2, 10, device="cuda")
     with pytest.raises(ValueError, match="k must be in"):
         routing.topk_indices(logits, torch.full((2,), 10, device="cuda"), 5000)
+
+
+@pytest.mark.parametrize("w", [8192, 40000])
+def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
+    """qat's index scores are bf16 values: the 16-bit search (17 counting steps, the logits
+    route's) picks what the twin picks — heavy ties, both signs, ±0, ±inf, rows with ≤ k
+    visible, in registers (8192) and two-level (40000; with `split`, its narrow rows in
+    registers)."""
+    g = torch.Generator(device="cuda").manual_seed(w)
+    t, k = 24, 512
+    logits = (torch.randn(t, w, device="cuda", generator=g) * 4).bfloat16().float()
+    logits[0] = torch.randint(-2, 3, (w,), device="cuda", generator=g).float()  # ties
+    logits[1, ::3] = -0.0
+    logits[2, ::5] = float("inf")
+    logits[3] = float("-inf")
+    logits[3, ::9] = 1.0
+    logits[4] = -logits[4].abs()  # all negative
+    nv = torch.randint(k + 1, w + 1, (t,), device="cuda", generator=g)
+    nv[5:8] = torch.tensor([0, k, k + 1], device="cuda")
+    want = ops.topk_indices(logits, nv, k)
+    for split in (0, 16384) if w > 16384 else (0,):  # 16384: the narrow rows in registers
+        got = launch_topk(logits, nv, k, key_bits=16, split=split)
+        _check_valid(got, logits, nv, k)
+        assert torch.equal(got, want), split

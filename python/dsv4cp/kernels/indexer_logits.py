@@ -62,6 +62,7 @@ def _mqa_logits_kernel(
     QAT: tl.constexpr,
     EMULATE: tl.constexpr,
     PACKED: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     # Row blocks that share one k_start (all of them without k_start); the others are left to
     # _mqa_logits_rows_kernel.
@@ -98,10 +99,13 @@ def _mqa_logits_kernel(
                             UPCAST, DOT_PREC, STAGES)  # fmt: skip
         acc = index_score(acc, QAT, EMULATE, PACKED)
         visible = cols[None, :] < nvis[:, None]
+        store_ok = row_ok[:, None] & (cols < WIDTH)[None, :]
+        if not FILL:
+            store_ok = store_ok & visible  # the hidden entries stay unwritten
         tl.store(
             out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
             tl.where(visible, acc, float("-inf")),
-            mask=row_ok[:, None] & (cols < WIDTH)[None, :],
+            mask=store_ok,
         )
 
 
@@ -224,10 +228,13 @@ def launch_mqa_logits(
     quant: QuantMode = "none",
     config: tuple[int, int, int, int] | None = None,
     packed: bool = True,
+    fill: bool = True,
 ) -> Tensor:
     """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks).
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
-    same bits as `packed=False`, which rounds one value at a time)."""
+    same bits as `packed=False`, which rounds one value at a time). `fill=False`: the row
+    blocks that share one k_start leave their entries j ≥ n_visible[t] unwritten instead of
+    -inf (for a reader that never reads them: the logits route's top-k)."""
     check_mqa_logits(q, weights, k, n_visible)
     qat = check_quant_mode(quant) == "qat"
     t, h, d = q.shape
@@ -280,6 +287,7 @@ def launch_mqa_logits(
         QAT=qat,
         EMULATE=interpreting(),
         PACKED=packed and q.is_cuda,
+        FILL=fill,
         num_warps=warps,
         num_stages=stages,
     )

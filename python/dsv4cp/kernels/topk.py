@@ -131,11 +131,14 @@ def _topk_row_kernel(
     OUT_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     KEY_BITS: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
     out_row = out_ptr + row * stride_ot
-    if n <= K:
+    if NARROW > 0 and n > NARROW:
+        pass  # a wide row: the two levels' kernels select it
+    elif n <= K:
         _store_prefix(out_row, n, K, OUT_BLOCK)
     else:
         cols = tl.arange(0, BLOCK)
@@ -154,13 +157,14 @@ def _piece_kth_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     KEY_BITS: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
     n = _row_n(nvis_ptr, row, W)
     start = piece * BLOCK
     tau = tl.full([], -2147483648, tl.int32)  # a piece with ≤ K keys bounds nothing
-    if tl.minimum(n - start, BLOCK) > K:
+    if tl.minimum(n - start, BLOCK) > K and n > NARROW:  # narrow rows: the row kernel's
         keys = _load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
         tau = _kth_key(keys, K, KEY_BITS)
     tl.store(thr_ptr + row * PIECES + piece, tau)
@@ -184,12 +188,15 @@ def _topk_candidates_kernel(
     STREAM_BLOCK: tl.constexpr,
     CAP: tl.constexpr,
     KEY_BITS: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
     row_ptr = logits_ptr + row * stride_lt
     out_row = out_ptr + row * stride_ot
-    if n <= K:
+    if NARROW > 0 and n <= NARROW:
+        pass  # a narrow row: the row kernel selected it
+    elif n <= K:
         _store_prefix(out_row, n, K, OUT_BLOCK)
     else:
         p = tl.arange(0, P_BLOCK)
@@ -235,6 +242,28 @@ def _warps(block: int) -> int:
     return max(4, min(8, block // 2048))
 
 
+def _launch_rows(
+    logits: Tensor, n_visible: Tensor, out: Tensor, w: int, key_bits: int, width: int, narrow: int
+) -> None:
+    """The row kernel over rows of up to `width` keys in registers (`narrow` > 0: only the rows
+    with ≤ narrow visible keys)."""
+    block = max(16, triton.next_power_of_2(width))
+    _topk_row_kernel[(logits.shape[0],)](
+        logits,
+        n_visible,
+        out,
+        w,
+        logits.stride(0),
+        out.stride(0),
+        K=out.shape[1],
+        OUT_BLOCK=triton.next_power_of_2(out.shape[1]),
+        BLOCK=block,
+        KEY_BITS=key_bits,
+        NARROW=narrow,
+        num_warps=_warps(block),
+    )
+
+
 def topk_indices(logits: Tensor, n_visible: Tensor, k: int) -> Tensor:
     """Triton twin of ops.indexer.topk_indices: int32 [T, k], sorted ascending, -1 pads."""
     return launch_topk(logits, n_visible, k)
@@ -249,13 +278,19 @@ def launch_topk(
     stream: int = STREAM,
     cap: int | None = None,
     key_bits: int = 32,
+    split: int | None = None,
+    cand_warps: int | None = None,
 ) -> Tensor:
     """topk_indices with the two-level sizes overridable: `piece`, `stream` and `cap` (tests
     use them to reach that path, and its overflow fallback, at small widths; benchmarks sweep
     `piece`). `key_bits=16` is for logits that are all bf16 values (qat's index scores, block
     maxima of them, ±inf): the search walks their keys' 16 high bits and one step for the low
     ones, the same selection in 17 counting steps instead of 32. Other logits need 32 (16 would
-    misplace τ: the caller vouches for the values, they are not checked)."""
+    misplace τ: the caller vouches for the values, they are not checked).
+    `split` (≤ MAX_SINGLE; default 0, off: not yet timed, docs/performance.md §37): on the two
+    levels' path, the rows with at most `split` visible keys are selected in registers by the
+    row kernel instead (a cold prefill's early rows are narrow). `cand_warps`: the candidates
+    kernel's warps (default by `cap`)."""
     check_topk(logits, n_visible, k)
     if key_bits not in (16, 32):
         raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
@@ -267,22 +302,14 @@ def launch_topk(
         logits = logits.contiguous()
     n_visible = n_visible.contiguous()
     out_block = triton.next_power_of_2(k)
+    split = 0 if split is None else int(split)
+    if split < 0 or split > MAX_SINGLE:
+        raise ValueError(f"topk_indices kernel: split must be in [0, {MAX_SINGLE}], got {split}")
     if piece is None and w <= MAX_SINGLE:
-        block = max(16, triton.next_power_of_2(w))
-        _topk_row_kernel[(t,)](
-            logits,
-            n_visible,
-            out,
-            w,
-            logits.stride(0),
-            out.stride(0),
-            K=k,
-            OUT_BLOCK=out_block,
-            BLOCK=block,
-            KEY_BITS=key_bits,
-            num_warps=_warps(block),
-        )
+        _launch_rows(logits, n_visible, out, w, key_bits, w, 0)
         return out
+    if split:
+        _launch_rows(logits, n_visible, out, w, key_bits, split, split)
     piece = piece or CHUNK
     pieces = triton.cdiv(w, piece)
     # pieces·k bounds the candidates up to ties at the bound (bf16-valued scores tie often): 2x.
@@ -298,6 +325,7 @@ def launch_topk(
         K=k,
         BLOCK=piece,
         KEY_BITS=key_bits,
+        NARROW=split,
         num_warps=_warps(piece),
     )
     ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
@@ -319,6 +347,7 @@ def launch_topk(
         STREAM_BLOCK=stream,
         CAP=cap,
         KEY_BITS=key_bits,
-        num_warps=max(4, min(16, cap // 1024)),
+        NARROW=split,
+        num_warps=cand_warps or max(4, min(16, cap // 1024)),
     )
     return out
