@@ -191,13 +191,16 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             got = launch_topk(logits, nv, k, piece=64, stream=32, split=split)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, want), split
-        for bad in (-1, 1 << 20):
+        for bad, said in (({"split": -1}, "split must be in"), ({"split": 1 << 20}, "split"),
+                          ({"cand_warps": 3}, "cand_warps must be")):  # fmt: skip
             try:
-                launch_topk(logits, nv, k, piece=64, split=bad)
+                launch_topk(logits, nv, k, piece=64, **bad)
             except ValueError as e:
-                assert "split must be in" in str(e)
+                assert said in str(e), e
             else:
-                raise AssertionError(f"split={bad} accepted")
+                raise AssertionError(f"{bad} accepted")
+        got = launch_topk(logits, nv, k, piece=64, stream=32, cand_warps=2)
+        assert torch.equal(got, want), "cand_warps=2"
 
     def topk_key_bits():
         # bf16-valued logits (both signs, heavy ties, ±inf): the 17-step search selects what the

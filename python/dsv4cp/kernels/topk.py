@@ -278,7 +278,7 @@ def launch_topk(
     stream: int = STREAM,
     cap: int | None = None,
     key_bits: int = 32,
-    split: int | None = None,
+    split: int = 0,
     cand_warps: int | None = None,
 ) -> Tensor:
     """topk_indices with the two-level sizes overridable: `piece`, `stream` and `cap` (tests
@@ -287,10 +287,10 @@ def launch_topk(
     maxima of them, ±inf): the search walks their keys' 16 high bits and one step for the low
     ones, the same selection in 17 counting steps instead of 32. Other logits need 32 (16 would
     misplace τ: the caller vouches for the values, they are not checked).
-    `split` (≤ MAX_SINGLE; default 0, off: not yet timed, docs/performance.md §37): on the two
-    levels' path, the rows with at most `split` visible keys are selected in registers by the
-    row kernel instead (a cold prefill's early rows are narrow). `cand_warps`: the candidates
-    kernel's warps (default by `cap`)."""
+    `split` (in [0, MAX_SINGLE]; 0, the default, is off: not yet timed, docs/performance.md
+    §37): on the two levels' path, the rows with at most `split` visible keys are selected in
+    registers by the row kernel instead (a cold prefill's early rows are narrow). `cand_warps`:
+    the candidates kernel's warps (a power of two ≤ 32; default by `cap`)."""
     check_topk(logits, n_visible, k)
     if key_bits not in (16, 32):
         raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
@@ -302,9 +302,12 @@ def launch_topk(
         logits = logits.contiguous()
     n_visible = n_visible.contiguous()
     out_block = triton.next_power_of_2(k)
-    split = 0 if split is None else int(split)
-    if split < 0 or split > MAX_SINGLE:
+    if not 0 <= split <= MAX_SINGLE:
         raise ValueError(f"topk_indices kernel: split must be in [0, {MAX_SINGLE}], got {split}")
+    if cand_warps is not None and cand_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(
+            f"topk_indices kernel: cand_warps must be a power of two ≤ 32, got {cand_warps}"
+        )
     if piece is None and w <= MAX_SINGLE:
         _launch_rows(logits, n_visible, out, w, key_bits, w, 0)
         return out
