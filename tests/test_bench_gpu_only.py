@@ -11,7 +11,15 @@ import torch
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 @pytest.mark.parametrize(
-    "name", ["fp4_dequant", "fp8_dequant", "fp8_gemm_gluon", "indexer_scan", "layer_profile"]
+    "name",
+    [
+        "fp4_dequant",
+        "fp8_dequant",
+        "fp8_gemm_gluon",
+        "indexer_scan",
+        "layer_profile",
+        "logits_selection",
+    ],
 )
 def test_refuses_without_cuda(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     bench = importlib.import_module(f"benchmarks.{name}")
