@@ -22,7 +22,7 @@ import torch
 from benchmarks.benchutil import Table, finish, time_cuda
 from dsv4cp.kernels.indexer_logits import launch_mqa_logits
 from dsv4cp.kernels.topk import MAX_SINGLE, launch_topk
-from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES
+from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES, row_chunks
 
 HEADS, DIM, TOP_K = 32, 128, 512
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -43,8 +43,7 @@ def _case(t: int, prefix: int) -> tuple[list[torch.Tensor], list[torch.Tensor], 
     k = torch.randn((prefix + t) // 2, DIM, device="cuda", generator=g).bfloat16()
     nv = ((prefix + torch.arange(t, device="cuda") + 1) // 2).to(torch.int32)
     width = k.shape[0]
-    step = max(1, min(t, LOGITS_BUDGET_BYTES // (4 * max(1, width))))
-    rows = [slice(a, min(t, a + step)) for a in range(0, t, step)]
+    rows = row_chunks(t, width)
     logits = [
         launch_mqa_logits(q[r], w[r], k, nv[r], width=width, quant="qat", fill=False) for r in rows
     ]

@@ -29,6 +29,13 @@ from dsv4cp.ops.quant import QuantMode
 LOGITS_BUDGET_BYTES = 256 << 20  # fp32 logits of one row chunk
 
 
+def row_chunks(t: int, width: int) -> list[slice]:
+    """The row chunks of `t` rows whose fp32 logits [rows, width] fit LOGITS_BUDGET_BYTES (none
+    when t == 0)."""
+    step = max(1, min(t, LOGITS_BUDGET_BYTES // max(1, 4 * width)))
+    return [slice(a, min(t, a + step)) for a in range(0, t, step)]
+
+
 def in_row_chunks(
     q: Tensor,
     weights: Tensor,
@@ -45,10 +52,8 @@ def in_row_chunks(
     concatenated per output (one chunk's parts as they are)."""
     t = q.shape[0]
     w = k.shape[0] if width is None else width
-    step = max(1, min(t, LOGITS_BUDGET_BYTES // max(1, 4 * w)))
     parts: list[list[Tensor]] = []
-    for a in range(0, max(t, 1), step):  # one (empty) chunk when t == 0 shapes empty outputs
-        rows = slice(a, min(t, a + step))
+    for rows in row_chunks(t, w) or [slice(0, 0)]:  # an empty chunk shapes empty outputs
         ks = None if k_start is None else k_start[rows]
         logits = logits_fn(
             q[rows], weights[rows], k, n_visible[rows], k_start=ks, width=width, quant=quant
