@@ -1,11 +1,12 @@
 """The logits route's selection (`kernels/topk.launch_topk` over the route's row chunks of qat
-logits) at the ratio-2 index source's shapes: the shipped settings first as the baseline, then
-`split` (a wide batch's rows with ≤ 16K visible keys selected in registers by the row kernel)
-and the candidates kernel's warps (`cand_warps`): ms per pass over every chunk (CUDA events),
-the ratio to the baseline, and whether each variant selects exactly what the baseline selects
-(it must: the selection is exact). `--tokens` as `T@P`: T rows at positions P … P + T − 1 over
-(P + T) / 2 keys (random bf16 queries and keys, fp32 head weights, 32 heads × 128, top-k 512,
-n_visible (pos + 1) // 2); the logits are made once by the route's own logits kernel.
+logits) at the ratio-2 index source's shapes: the older merge (`merge="stream"`, the baseline,
+as shipped before §38) first, then the default (the slots merge at `slot_piece`'s width: each
+piece's own top k, merged per row) and the slots merge at three piece widths: ms per pass over
+every chunk (CUDA events), the ratio to the baseline, and whether each variant selects exactly
+what the baseline selects (it must: the selection is exact). `--tokens` as `T@P`: T rows at
+positions P … P + T − 1 over (P + T) / 2 keys (random bf16 queries and keys, fp32 head weights,
+32 heads × 128, top-k 512, n_visible (pos + 1) // 2); the logits are made once by the route's own
+logits kernel.
 
     PYTHONPATH=python python -m benchmarks.logits_selection --tokens 65536@0,49152@0 \
         --out out/logits_selection.json
@@ -21,16 +22,14 @@ import torch
 
 from benchmarks.benchutil import Table, finish, time_cuda
 from dsv4cp.kernels.indexer_logits import launch_mqa_logits
-from dsv4cp.kernels.topk import MAX_SINGLE, launch_topk
+from dsv4cp.kernels.topk import launch_topk
 from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES, row_chunks
 
 HEADS, DIM, TOP_K = 32, 128, 512
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
-    ("shipped", {}),
-    (f"split={MAX_SINGLE}", {"split": MAX_SINGLE}),
-    ("cand_warps=8", {"cand_warps": 8}),
-    ("cand_warps=16", {"cand_warps": 16}),
-    (f"split={MAX_SINGLE} cand_warps=8", {"split": MAX_SINGLE, "cand_warps": 8}),
+    ("stream (before)", {"merge": "stream"}),
+    ("default", {}),
+    *[(f"slots piece={p}", {"merge": "slots", "piece": p}) for p in (4096, 8192, 16384)],
 ]
 
 
@@ -59,20 +58,21 @@ def _select(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="65536@0,49152@0,16384@114688", help="T@P comma list")
+    tokens = "16384@0,65536@0,49152@0,16384@114688"
+    ap.add_argument("--tokens", default=tokens, help="T@P comma list")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="out/logits_selection.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("logits_selection: needs a CUDA GPU", file=sys.stderr)
         return 2
-    table = Table(title="the logits route's selection (key_bits 16), shipped settings first")
+    table = Table(title="the logits route's selection (key_bits 16), the stream merge first")
     rows: list[dict[str, Any]] = []
     for spec in args.tokens.split(","):
         t, prefix = (int(v) for v in spec.split("@"))
         chunks = _case(t, prefix)
         width = chunks[2]
-        base_ms, base_out = 0.0, _select(chunks, {})
+        base_ms, base_out = 0.0, _select(chunks, VARIANTS[0][1])
         for name, kw in VARIANTS:
             out = _select(chunks, kw)
             ms = time_cuda(lambda c=chunks, kw=kw: _select(c, kw), warmup=1, iters=args.iters)
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 "chunks": len(chunks[0]),
                 "variant": name,
                 "ms": ms,
-                "shipped_over_this": base_ms / ms,
-                "equal_to_shipped": all(torch.equal(a, b) for a, b in zip(out, base_out)),
+                "baseline_over_this": base_ms / ms,
+                "equal_to_baseline": all(torch.equal(a, b) for a, b in zip(out, base_out)),
             }
             rows.append(row)
             table.add(row)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": dict(heads=HEADS, dim=DIM, top_k=TOP_K, budget_bytes=LOGITS_BUDGET_BYTES),
         "rows": rows,
     }
-    return finish(args.out, payload, all(r["equal_to_shipped"] for r in rows))
+    return finish(args.out, payload, all(r["equal_to_baseline"] for r in rows))
 
 
 if __name__ == "__main__":

@@ -212,14 +212,17 @@ def test_logits_kernel_unpacked_rounds_one_value_per_instruction() -> None:
 
 @pytest.mark.parametrize("bits", [16, 32])
 def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
-    """`kernels/topk`'s selections (the logits route's, the candidate blocks'), both searches."""
+    """`kernels/topk`'s selections (the logits route's and the candidate blocks': by slots and
+    by streaming), both searches."""
     from dsv4cp.kernels import topk as m
 
     ptrs = ["*fp32", "*i32", "*i32"]
-    row = dict(K=512, OUT_BLOCK=512, BLOCK=8192, KEY_BITS=bits, NARROW=0)
-    _compile(m._topk_row_kernel, ptrs + ["i32"] * 3, row, 4, 1)
-    piece = dict(K=512, BLOCK=16384, KEY_BITS=bits, NARROW=16384)
+    piece = dict(K=512, BLOCK=16384, KEY_BITS=bits)  # merge="stream"
     _compile(m._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
-    cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits,
-                NARROW=16384)  # fmt: skip
+    cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits)
     _compile(m._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)
+    for block in (4096, 8192):  # merge="slots"
+        sel = dict(K=512, OUT_BLOCK=512, BLOCK=block, SUB=2048, KEY_BITS=bits)
+        _compile(m._piece_select_kernel, ptrs + ["*i32"] * 2 + ["i32"] * 4, sel, block // 2048, 1)
+    merge = dict(K=512, OUT_BLOCK=512, M_BLOCK=4096, KEY_BITS=bits)
+    _compile(m._topk_merge_kernel, ["*i32"] * 4 + ["i32"] * 4, merge, 4, 1)

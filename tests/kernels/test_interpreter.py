@@ -181,26 +181,31 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         logits[1, ::7] = torch.randn(43)
         nv = torch.tensor([300, 300, 25, 24, 130, 257])
         want = ops.topk_indices(logits, nv, k)
+        # the slots merge at pieces wider and narrower than k (16: a row's pieces all ≤ k);
+        # 512: one piece, each row selected by the piece kernel, no merge
+        for piece in (64, 16, 32, 512):
+            got = launch_topk(logits, nv, k, piece=piece)
+            check_topk_valid(got, logits, nv, k)
+            assert torch.equal(got, want), piece
         for cap in (None, 32):  # 32: the candidates overflow and the row is searched in memory
-            got = launch_topk(logits, nv, k, piece=64, stream=32, cap=cap)
+            got = launch_topk(logits, nv, k, piece=64, merge="stream", stream=32, cap=cap)
             check_topk_valid(got, logits, nv, k)
             assert torch.equal(got, want)
-        # split: rows with ≤ 130 visible keys (130, 25, 24: n > k, n = k + 1, n = k) by the row
-        # kernel in registers, the others by the two levels; 25: only the n ≤ k row there
-        for split in (130, 25):
-            got = launch_topk(logits, nv, k, piece=64, stream=32, split=split)
-            check_topk_valid(got, logits, nv, k)
-            assert torch.equal(got, want), split
-        for bad, said in (({"split": -1}, "split must be in"), ({"split": 1 << 20}, "split"),
-                          ({"cand_warps": 3}, "cand_warps must be")):  # fmt: skip
+        for bad, said in (({"piece": 0}, "piece must be a power of two"),
+                          ({"piece": 48}, "piece must be a power of two"),
+                          ({"merge": "heap"}, "merge must be"),
+                          ({"merge": "slots", "cap": 32}, "apply to merge='stream' only"),
+                          ({"stream": 32}, "apply to merge='stream' only"),
+                          ({"piece": 1, "merge": "slots", "wide": 1100}, "cannot hold"),
+                          ):  # fmt: skip
             try:
-                launch_topk(logits, nv, k, piece=64, **bad)
+                wide = bad.pop("wide", 0)  # 1100 pieces of 1 key: slots too many to merge
+                x, n = (torch.zeros(1, wide), torch.tensor([wide])) if wide else (logits, nv)
+                launch_topk(x, n, k, **{"piece": 64, **bad})
             except ValueError as e:
                 assert said in str(e), e
             else:
                 raise AssertionError(f"{bad} accepted")
-        got = launch_topk(logits, nv, k, piece=64, stream=32, cand_warps=2)
-        assert torch.equal(got, want), "cand_warps=2"
 
     def topk_key_bits():
         # bf16-valued logits (both signs, heavy ties, ±inf): the 17-step search selects what the
@@ -215,8 +220,8 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         logits[3] = torch.randint(-3, 4, (w,)).float()
         nv = torch.tensor([300, 300, 257, 130, 25])
         want = ops.topk_indices(logits, nv, k)
-        for kw in ({}, {"piece": 64, "stream": 32}, {"piece": 64, "stream": 32, "cap": 32},
-                   {"piece": 64, "stream": 32, "split": 200}):  # fmt: skip
+        stream = {"piece": 64, "merge": "stream", "stream": 32}
+        for kw in ({}, {"piece": 64}, {"piece": 16}, stream, {**stream, "cap": 32}):
             for bits in (16, 32):
                 got = launch_topk(logits, nv, k, key_bits=bits, **kw)
                 check_topk_valid(got, logits, nv, k)
@@ -242,10 +247,10 @@ def _cases():  # noqa: C901 - one namespace of small check functions
         logits = torch.randint(0, 5, (t, w)).float()  # heavy ties, also ±0
         logits[0, ::3] = -0.0
         nv = torch.tensor([2048, 1000, 65, 2000])
-        for piece in (None, 512):
-            got = launch_topk(logits, nv, k, piece=piece, stream=256)
+        for kw in ({}, {"piece": 512}, {"piece": 512, "merge": "stream", "stream": 256}):
+            got = launch_topk(logits, nv, k, **kw)
             check_topk_valid(got, logits, nv, k)
-            assert torch.equal(got, ops.topk_indices(logits, nv, k))
+            assert torch.equal(got, ops.topk_indices(logits, nv, k)), kw
 
     def attention_ref64(q, kv, idx, sink, scale):
         q, kv = q.double(), kv.double()

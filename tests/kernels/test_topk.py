@@ -67,7 +67,12 @@ def test_streaming_path_and_heavy_ties() -> None:
     logits[0, ::2] = -0.0
     logits[1] = float("-inf")
     nv = torch.tensor([3000, 3000, 600, 513, 512, 2999, 100, 0, 2048], device="cuda")
-    for kwargs in ({}, {"piece": 1024}, {"piece": 1024, "cap": 1024}):  # cap: overflow path
+    for kwargs in (
+        {},
+        {"piece": 1024},  # the slots merge
+        {"piece": 1024, "merge": "stream"},
+        {"piece": 1024, "merge": "stream", "cap": 1024},  # cap: the stream merge's overflow
+    ):
         sel = launch_topk(logits, nv, k, **kwargs)
         _check_valid(sel, logits, nv, k)
         assert torch.equal(sel, ops.topk_indices(logits, nv, k))
@@ -83,8 +88,7 @@ def test_unsupported_k_raises() -> None:
 def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
     """qat's index scores are bf16 values: the 16-bit search (17 counting steps, the logits
     route's) picks what the twin picks — heavy ties, both signs, ±0, ±inf, rows with ≤ k
-    visible, in registers (8192) and two-level (40000; with `split`, its narrow rows in
-    registers)."""
+    visible, by the slots merge at its own and other piece widths and by the stream merge."""
     g = torch.Generator(device="cuda").manual_seed(w)
     t, k = 24, 512
     logits = (torch.randn(t, w, device="cuda", generator=g) * 4).bfloat16().float()
@@ -97,7 +101,8 @@ def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
     nv = torch.randint(k + 1, w + 1, (t,), device="cuda", generator=g)
     nv[5:8] = torch.tensor([0, k, k + 1], device="cuda")
     want = ops.topk_indices(logits, nv, k)
-    for split in (0, 16384) if w > 16384 else (0,):  # 16384: the narrow rows in registers
-        got = launch_topk(logits, nv, k, key_bits=16, split=split)
+    wide = ({"piece": 16384},) if w > 16384 else ()
+    for kw in ({}, {"piece": 4096}, {"merge": "stream"}, *wide):
+        got = launch_topk(logits, nv, k, key_bits=16, **kw)
         _check_valid(got, logits, nv, k)
-        assert torch.equal(got, want), split
+        assert torch.equal(got, want), kw

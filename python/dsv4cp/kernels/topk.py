@@ -8,12 +8,21 @@ to the lowest indices (as the ops twin does). Positions come from a prefix sum o
 selection mask, which leaves the output sorted ascending with no sort. Rows with n ≤ k write
 0..n-1 and -1 pads without a search.
 
-Rows up to MAX_SINGLE wide: one program per row, the row in registers for every step.
-Wider rows, two levels: (1) one program per CHUNK-wide piece finds that piece's k-th largest key,
-and the largest of those is a lower bound of the row's k-th largest (that piece alone holds k
-keys ≥ it); (2) one program per row compacts the keys ≥ the bound (at most pieces·k plus ties,
-in index order) and selects among them in registers. A row whose candidates overflow the buffer
-(heavy ties) falls back to searching the whole row from memory (a pass per step, one more).
+Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 4096 keys
+for rows up to 16K wide, else 8192 or 16384, as few as fit the merge) selects that piece's own
+top k, the piece in registers for the search and the selection written from memory SUB keys at a
+time (`_write_streamed`, which keeps the kernel at half the registers of an in-register prefix
+sum), and writes those ≤ k keys and indices to the piece's slot; a row that is one piece is
+selected there outright. (2) one program per row selects among its pieces' slots, read piece by
+piece (so in index order). That is exact: the row's k-th largest key τ is ≥ every piece's, so
+each selected key > τ is above its piece's k-th too, and when τ is a piece's own k-th, the row's
+first ties in index order are that piece's first ties (fewer keys above τ in the piece than in
+the row leaves the piece more room for ties).
+Rows whose pieces' slots exceed MAX_MERGE keys (pieces × k) take `merge="stream"`: one program
+per 16K piece finds its k-th key, the largest of those bounds the row's k-th from below; one
+program per row compacts the keys ≥ it from memory (at most pieces·k plus ties, in index order)
+and selects among them. A row whose candidates overflow that buffer (heavy ties) is searched
+whole from memory (a pass per step, one more).
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ from torch import Tensor
 from dsv4cp.kernels.running_topk import kth_rows
 
 MAX_K = 4096
-MAX_SINGLE = 16384
-CHUNK = 16384  # first-level piece: in registers like a single row
+CHUNK = 16384  # merge="stream"'s piece, in registers
 STREAM = 4096  # chunk width of the streaming passes
 MAX_CAP = 16384
+WRITE_SUB = 2048  # keys at a time of a selection written from memory (`_write_streamed`)
+MAX_MERGE = 16384  # slots (pieces × k, padded to powers of two) one merge program holds
+SLOT_PIECES = (4096, 8192, 16384)  # merge="slots"' piece widths, narrowest first
 
 
 @triton.jit
@@ -53,14 +64,46 @@ def _kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
-    """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
+def _selection(keys, ok, tau, K: tl.constexpr):
+    """Which of `keys` the top K takes (those > τ and the first (K − #greater) == τ, in order)
+    and each one's output position."""
     gt = keys > tau
     eq = (keys == tau) & ok
     need = K - tl.sum(gt.to(tl.int32), 0)
     sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
-    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    return sel, tl.cumsum(sel.to(tl.int32), 0) - 1
+
+
+@triton.jit
+def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
+    """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
+    sel, pos = _selection(keys, ok, tau, K)
     tl.store(out_row + pos, idx, mask=sel)
+
+
+@triton.jit
+def _write_streamed(
+    row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS: tl.constexpr, SUB: tl.constexpr
+):
+    """The selection among keys [start, end) of the row in memory (those > τ and the first
+    `need` == τ), SUB at a time: positions at dst_i, in order (keys at dst_k too when
+    STORE_KEYS). A kernel that searched the row in registers writes this way to keep only SUB
+    of them live (the whole row's running sums would double its registers)."""
+    cols = tl.arange(0, SUB)
+    eq_before = tl.zeros([], dtype=tl.int32)
+    sel_before = tl.zeros([], dtype=tl.int32)
+    for c0 in range(start, end, SUB):
+        cc = c0 + cols
+        kc = _load_keys(row_ptr, cc, end)
+        gt = kc > tau
+        eq = (kc == tau) & (cc < end)
+        sel = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        pos = sel_before + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(dst_i + pos, cc, mask=sel)
+        if STORE_KEYS:
+            tl.store(dst_k + pos, kc, mask=sel)
+        eq_before += tl.sum(eq.to(tl.int32), 0)
+        sel_before += tl.sum(sel.to(tl.int32), 0)
 
 
 @triton.jit
@@ -93,19 +136,7 @@ def _stream_select(
     n_gt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
         n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
-    need = K - n_gt
-    eq_before = tl.zeros([], dtype=tl.int32)
-    sel_before = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, n, BLOCK):
-        cc = c0 + cols
-        kc = _load_keys(row_ptr, cc, n)
-        gt = kc > tau
-        eq = (kc == tau) & (cc < n)
-        sel = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
-        pos = sel_before + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(out_row + pos, cc, mask=sel)
-        eq_before += tl.sum(eq.to(tl.int32), 0)
-        sel_before += tl.sum(sel.to(tl.int32), 0)
+    _write_streamed(row_ptr, 0, n, tau, K - n_gt, out_row, out_row, False, BLOCK)
 
 
 @triton.jit
@@ -120,33 +151,6 @@ def _store_prefix(out_row, n, K: tl.constexpr, OUT_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_row_kernel(
-    logits_ptr,
-    nvis_ptr,
-    out_ptr,
-    W,
-    stride_lt,
-    stride_ot,
-    K: tl.constexpr,
-    OUT_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    KEY_BITS: tl.constexpr,
-    NARROW: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    n = _row_n(nvis_ptr, row, W)
-    out_row = out_ptr + row * stride_ot
-    if NARROW > 0 and n > NARROW:
-        pass  # a wide row: the two levels' kernels select it
-    elif n <= K:
-        _store_prefix(out_row, n, K, OUT_BLOCK)
-    else:
-        cols = tl.arange(0, BLOCK)
-        keys = _load_keys(logits_ptr + row * stride_lt, cols, n)
-        _store_selection(keys, cols, cols < n, _kth_key(keys, K, KEY_BITS), out_row, K)
-
-
-@triton.jit
 def _piece_kth_kernel(
     logits_ptr,
     nvis_ptr,
@@ -157,14 +161,13 @@ def _piece_kth_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     KEY_BITS: tl.constexpr,
-    NARROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
     n = _row_n(nvis_ptr, row, W)
     start = piece * BLOCK
     tau = tl.full([], -2147483648, tl.int32)  # a piece with ≤ K keys bounds nothing
-    if tl.minimum(n - start, BLOCK) > K and n > NARROW:  # narrow rows: the row kernel's
+    if tl.minimum(n - start, BLOCK) > K:
         keys = _load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
         tau = _kth_key(keys, K, KEY_BITS)
     tl.store(thr_ptr + row * PIECES + piece, tau)
@@ -188,15 +191,12 @@ def _topk_candidates_kernel(
     STREAM_BLOCK: tl.constexpr,
     CAP: tl.constexpr,
     KEY_BITS: tl.constexpr,
-    NARROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
     row_ptr = logits_ptr + row * stride_lt
     out_row = out_ptr + row * stride_ot
-    if NARROW > 0 and n <= NARROW:
-        pass  # a narrow row: the row kernel selected it
-    elif n <= K:
+    if n <= K:
         _store_prefix(out_row, n, K, OUT_BLOCK)
     else:
         p = tl.arange(0, P_BLOCK)
@@ -224,6 +224,95 @@ def _topk_candidates_kernel(
             _stream_select(row_ptr, out_row, n, K, STREAM_BLOCK, KEY_BITS)
 
 
+@triton.jit
+def _select_piece(
+    row_ptr, start, m, dst_i, dst_k, STORE_KEYS: tl.constexpr, K: tl.constexpr,
+    BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr,
+):  # fmt: skip
+    """The top K of keys [start, start + m) of the row (m > K): searched in registers, indices
+    written in order at dst_i (keys at dst_k too when STORE_KEYS) from memory, SUB at a time."""
+    end = start + m
+    keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
+    tau = _kth_key(keys, K, KEY_BITS)
+    need = K - tl.sum((keys > tau).to(tl.int32), 0)
+    _write_streamed(row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS, SUB)
+
+
+@triton.jit
+def _piece_select_kernel(
+    logits_ptr,
+    nvis_ptr,
+    sk_ptr,
+    si_ptr,
+    out_ptr,
+    W,
+    stride_lt,
+    stride_ot,
+    PIECES,
+    K: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    n = _row_n(nvis_ptr, row, W)
+    row_ptr = logits_ptr + row * stride_lt
+    start = piece * BLOCK
+    if n <= BLOCK:  # the row is its first piece: selected here, the merge skips it
+        if piece == 0:
+            out_row = out_ptr + row * stride_ot
+            if n <= K:
+                _store_prefix(out_row, n, K, OUT_BLOCK)
+            else:
+                _select_piece(row_ptr, 0, n, out_row, out_row, False, K, BLOCK, SUB, KEY_BITS)
+    else:
+        slot = (row * PIECES + piece) * K
+        m = tl.minimum(n - start, BLOCK)
+        if m > K:  # the piece's own top K, in index order
+            _select_piece(
+                row_ptr, start, m, si_ptr + slot, sk_ptr + slot, True, K, BLOCK, SUB, KEY_BITS
+            )
+        elif m > 0:  # all of its keys
+            o = tl.arange(0, OUT_BLOCK)
+            tl.store(sk_ptr + slot + o, _load_keys(row_ptr, start + o, n), mask=o < m)
+            tl.store(si_ptr + slot + o, start + o, mask=o < m)
+
+
+@triton.jit
+def _topk_merge_kernel(
+    sk_ptr,
+    si_ptr,
+    nvis_ptr,
+    out_ptr,
+    W,
+    stride_ot,
+    PIECES,
+    PIECE,
+    K: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    M_BLOCK: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = _row_n(nvis_ptr, row, W)
+    out_row = out_ptr + row * stride_ot
+    if n > PIECE:  # narrower rows: the piece kernel selected them
+        if n <= K:
+            _store_prefix(out_row, n, K, OUT_BLOCK)
+        else:
+            j = tl.arange(0, M_BLOCK)
+            p = j // OUT_BLOCK
+            s = j % OUT_BLOCK
+            filled = tl.minimum(tl.minimum(tl.maximum(n - p * PIECE, 0), PIECE), K)
+            ok = (p < PIECES) & (s < filled)
+            off = (row * PIECES + p) * K + s
+            keys = tl.load(sk_ptr + off, mask=ok, other=-2147483648)
+            idx = tl.load(si_ptr + off, mask=ok, other=0)
+            _store_selection(keys, idx, ok, _kth_key(keys, K, KEY_BITS), out_row, K)
+
+
 def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
     """Raise ValueError naming the limit when the kernel cannot take these shapes."""
     if logits.dim() != 2:
@@ -242,26 +331,20 @@ def _warps(block: int) -> int:
     return max(4, min(8, block // 2048))
 
 
-def _launch_rows(
-    logits: Tensor, n_visible: Tensor, out: Tensor, w: int, key_bits: int, width: int, narrow: int
-) -> None:
-    """The row kernel over rows of up to `width` keys in registers (`narrow` > 0: only the rows
-    with ≤ narrow visible keys)."""
-    block = max(16, triton.next_power_of_2(width))
-    _topk_row_kernel[(logits.shape[0],)](
-        logits,
-        n_visible,
-        out,
-        w,
-        logits.stride(0),
-        out.stride(0),
-        K=out.shape[1],
-        OUT_BLOCK=triton.next_power_of_2(out.shape[1]),
-        BLOCK=block,
-        KEY_BITS=key_bits,
-        NARROW=narrow,
-        num_warps=_warps(block),
-    )
+def slot_piece(w: int, k: int) -> int | None:
+    """merge="slots"' piece width for rows `w` wide at top `k` (measured, docs/performance.md
+    §38: 4096 up to 16K keys, 8192 above), widened while the merge's pieces × k slots would not
+    fit MAX_MERGE; None where no width fits (merge="stream" then)."""
+    out_block = triton.next_power_of_2(k)
+    for piece in SLOT_PIECES[0 if w <= 16384 else 1 :]:
+        piece = min(piece, max(16, triton.next_power_of_2(w)))
+        if _merge_block(w, piece, out_block) <= MAX_MERGE:
+            return piece
+    return None
+
+
+def _merge_block(w: int, piece: int, out_block: int) -> int:
+    return max(16, triton.next_power_of_2(triton.cdiv(w, piece)) * out_block)
 
 
 def topk_indices(logits: Tensor, n_visible: Tensor, k: int) -> Tensor:
@@ -275,45 +358,116 @@ def launch_topk(
     k: int,
     *,
     piece: int | None = None,
+    merge: str | None = None,
     stream: int = STREAM,
     cap: int | None = None,
     key_bits: int = 32,
-    split: int = 0,
-    cand_warps: int | None = None,
 ) -> Tensor:
-    """topk_indices with the two-level sizes overridable: `piece`, `stream` and `cap` (tests
-    use them to reach that path, and its overflow fallback, at small widths; benchmarks sweep
-    `piece`). `key_bits=16` is for logits that are all bf16 values (qat's index scores, block
-    maxima of them, ±inf): the search walks their keys' 16 high bits and one step for the low
-    ones, the same selection in 17 counting steps instead of 32. Other logits need 32 (16 would
-    misplace τ: the caller vouches for the values, they are not checked).
-    `split` (in [0, MAX_SINGLE]; 0, the default, is off: not yet timed, docs/performance.md
-    §37): on the two levels' path, the rows with at most `split` visible keys are selected in
-    registers by the row kernel instead (a cold prefill's early rows are narrow). `cand_warps`:
-    the candidates kernel's warps (a power of two ≤ 32; default by `cap`)."""
+    """topk_indices with the two levels overridable: `merge` ("slots" or "stream"; default
+    slots where `slot_piece` finds a width) and `piece` (a power of two; tests use it to reach
+    several pieces at small widths, benchmarks sweep it). `key_bits=16` is for logits that are
+    all bf16 values (qat's index scores, block maxima of them, ±inf): the search walks their
+    keys' 16 high bits and one step for the low ones, the same selection in 17 counting steps
+    instead of 32. Other logits need 32 (16 would misplace τ: the caller vouches for the values,
+    they are not checked). `stream` and `cap`, merge="stream" only: its chunk and candidate
+    buffer (a small cap reaches its overflow fallback)."""
     check_topk(logits, n_visible, k)
     if key_bits not in (16, 32):
         raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
+    if piece is not None and (piece < 1 or piece & (piece - 1)):
+        raise ValueError(f"topk_indices kernel: piece must be a power of two, got {piece}")
+    if merge not in (None, "slots", "stream"):
+        raise ValueError(f"topk_indices kernel: merge must be 'slots' or 'stream', got {merge!r}")
     t, w = logits.shape
+    out_block = triton.next_power_of_2(k)
+    slots = None  # the slots merge's piece width
+    if merge != "stream":
+        slots = piece or slot_piece(w, k)
+        if slots is not None and _merge_block(w, slots, out_block) > MAX_MERGE:
+            slots = None
+        if merge == "slots" and slots is None:
+            raise ValueError(
+                f"topk_indices kernel: merge='slots' cannot hold {w} keys' pieces × k={k} slots "
+                f"in {MAX_MERGE}; use merge='stream'"
+            )
+        merge = "stream" if slots is None else "slots"
+    if merge == "slots" and (stream != STREAM or cap is not None):
+        raise ValueError("topk_indices kernel: stream and cap apply to merge='stream' only")
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)  # every slot is written
     if t == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     n_visible = n_visible.contiguous()
+    if slots is not None:
+        _launch_slots(logits, n_visible, out, key_bits, slots)
+    else:
+        _launch_stream(logits, n_visible, out, key_bits, piece or CHUNK, stream, cap)
+    return out
+
+
+def _launch_slots(
+    logits: Tensor, n_visible: Tensor, out: Tensor, key_bits: int, piece: int
+) -> None:
+    """merge='slots': each piece's own top k into its slot, then each row's selection among
+    its slots."""
+    (t, w), k = logits.shape, out.shape[1]
     out_block = triton.next_power_of_2(k)
-    if not 0 <= split <= MAX_SINGLE:
-        raise ValueError(f"topk_indices kernel: split must be in [0, {MAX_SINGLE}], got {split}")
-    if cand_warps is not None and cand_warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(
-            f"topk_indices kernel: cand_warps must be a power of two ≤ 32, got {cand_warps}"
-        )
-    if piece is None and w <= MAX_SINGLE:
-        _launch_rows(logits, n_visible, out, w, key_bits, w, 0)
-        return out
-    if split:
-        _launch_rows(logits, n_visible, out, w, key_bits, split, split)
-    piece = piece or CHUNK
+    pieces = triton.cdiv(w, piece)
+    if pieces == 1:  # every row is its own first piece: no slots, no merge
+        sk = si = out
+    else:
+        sk = torch.empty((t, pieces, k), dtype=torch.int32, device=logits.device)
+        si = torch.empty((t, pieces, k), dtype=torch.int32, device=logits.device)
+    _piece_select_kernel[(t, pieces)](
+        logits,
+        n_visible,
+        sk,
+        si,
+        out,
+        w,
+        logits.stride(0),
+        out.stride(0),
+        pieces,
+        K=k,
+        OUT_BLOCK=out_block,
+        BLOCK=piece,
+        SUB=min(piece, WRITE_SUB),
+        KEY_BITS=key_bits,
+        num_warps=_warps(piece),
+    )
+    if pieces == 1:
+        return
+    m_block = _merge_block(w, piece, out_block)
+    _topk_merge_kernel[(t,)](
+        sk,
+        si,
+        n_visible,
+        out,
+        w,
+        out.stride(0),
+        pieces,
+        piece,
+        K=k,
+        OUT_BLOCK=out_block,
+        M_BLOCK=m_block,
+        KEY_BITS=key_bits,
+        num_warps=max(4, min(16, m_block // 1024)),
+    )
+
+
+def _launch_stream(
+    logits: Tensor,
+    n_visible: Tensor,
+    out: Tensor,
+    key_bits: int,
+    piece: int,
+    stream: int,
+    cap: int | None,
+) -> None:
+    """merge='stream': each piece's k-th key, then each row's candidates ≥ the largest of them
+    compacted from memory (`cap` of them, else the row searched whole from memory)."""
+    (t, w), k = logits.shape, out.shape[1]
     pieces = triton.cdiv(w, piece)
     # pieces·k bounds the candidates up to ties at the bound (bf16-valued scores tie often): 2x.
     cap = cap or min(MAX_CAP, max(16, 2 * triton.next_power_of_2(pieces * k)))
@@ -328,7 +482,6 @@ def launch_topk(
         K=k,
         BLOCK=piece,
         KEY_BITS=key_bits,
-        NARROW=split,
         num_warps=_warps(piece),
     )
     ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
@@ -345,12 +498,10 @@ def launch_topk(
         out.stride(0),
         pieces,
         K=k,
-        OUT_BLOCK=out_block,
+        OUT_BLOCK=triton.next_power_of_2(k),
         P_BLOCK=max(16, triton.next_power_of_2(pieces)),
         STREAM_BLOCK=stream,
         CAP=cap,
         KEY_BITS=key_bits,
-        NARROW=split,
-        num_warps=cand_warps or max(4, min(16, cap // 1024)),
+        num_warps=max(4, min(16, cap // 1024)),
     )
-    return out
