@@ -1,13 +1,13 @@
 """The logits route's selection (`kernels/topk.launch_topk` over the route's row chunks of qat
 logits) at the ratio-2 index source's shapes: the older merge (`merge="stream"`, the baseline,
-as shipped before §38) first, then the default (the slots merge at `slot_piece`'s width: each
-piece's own top k, merged per row), the slots merge at three piece widths, and the 16-bit search
-by thirds (`thirds`): ms per pass over
-every chunk (CUDA events), the ratio to the baseline, and whether each variant selects exactly
-what the baseline selects (it must: the selection is exact). `--tokens` as `T@P`: T rows at
-positions P … P + T − 1 over (P + T) / 2 keys (random bf16 queries and keys, fp32 head weights,
-32 heads × 128, top-k 512, n_visible (pos + 1) // 2); the logits are made once by the route's own
-logits kernel.
+as shipped before §38 for rows wider than 16K keys; narrower rows went to a row kernel since
+removed, 1.126 ms at cold 16K in §38's first run) first, then the default (the slots merge at
+`slot_piece`'s width: each piece's own top k, merged per row) and the slots merge at three piece
+widths: ms per pass over every chunk (CUDA events), the ratio to the baseline, and whether each
+variant selects exactly what the baseline selects (it must: the selection is exact). `--tokens`
+as `T@P`: T rows at positions P … P + T − 1 over (P + T) / 2 keys (random bf16 queries and keys,
+fp32 head weights, 32 heads × 128, top-k 512, n_visible (pos + 1) // 2); the logits are made
+once by the route's own logits kernel.
 
     PYTHONPATH=python python -m benchmarks.logits_selection --tokens 65536@0,49152@0 \
         --out out/logits_selection.json
@@ -31,8 +31,6 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("stream (before)", {"merge": "stream"}),
     ("default", {}),
     *[(f"slots piece={p}", {"merge": "slots", "piece": p}) for p in (4096, 8192, 16384)],
-    ("default thirds", {"thirds": True}),
-    ("slots piece=4096 thirds", {"merge": "slots", "piece": 4096, "thirds": True}),
 ]
 
 

@@ -226,16 +226,6 @@ def _cases():  # noqa: C901 - one namespace of small check functions
                 got = launch_topk(logits, nv, k, key_bits=bits, **kw)
                 check_topk_valid(got, logits, nv, k)
                 assert torch.equal(got, want), (kw, bits)
-        for kw in ({}, {"piece": 64}, {"piece": 16}):  # the 16-bit search by thirds
-            got = launch_topk(logits, nv, k, key_bits=16, thirds=True, **kw)
-            assert torch.equal(got, want), ("thirds", kw)
-        for bad in ({"key_bits": 32}, {"merge": "stream"}):
-            try:
-                launch_topk(logits, nv, k, **{"key_bits": 16, "thirds": True, **bad})
-            except ValueError as e:
-                assert "thirds applies to" in str(e), e
-            else:
-                raise AssertionError(f"thirds with {bad} accepted")
         for bad in (8, 31):
             try:
                 launch_topk(logits, nv, k, key_bits=bad)

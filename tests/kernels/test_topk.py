@@ -88,8 +88,7 @@ def test_unsupported_k_raises() -> None:
 def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
     """qat's index scores are bf16 values: the 16-bit search (17 counting steps, the logits
     route's) picks what the twin picks — heavy ties, both signs, ±0, ±inf, rows with ≤ k
-    visible, by the slots merge at its own and other piece widths (and the search by thirds)
-    and by the stream merge."""
+    visible, by the slots merge at its own and other piece widths and by the stream merge."""
     g = torch.Generator(device="cuda").manual_seed(w)
     t, k = 24, 512
     logits = (torch.randn(t, w, device="cuda", generator=g) * 4).bfloat16().float()
@@ -103,7 +102,7 @@ def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
     nv[5:8] = torch.tensor([0, k, k + 1], device="cuda")
     want = ops.topk_indices(logits, nv, k)
     wide = ({"piece": 16384},) if w > 16384 else ()
-    for kw in ({}, {"piece": 4096}, {"merge": "stream"}, {"thirds": True}, *wide):
+    for kw in ({}, {"piece": 4096}, {"merge": "stream"}, *wide):
         got = launch_topk(logits, nv, k, key_bits=16, **kw)
         _check_valid(got, logits, nv, k)
         assert torch.equal(got, want), kw

@@ -64,39 +64,6 @@ def _kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_key_thirds(keys, K: tl.constexpr):
-    """`_kth_key` with KEY_BITS 16 by thirds: a step counts the keys ≥ two thresholds in one sum
-    (two 16-bit fields) and keeps the third of the high halves' range that holds the K-th; 11
-    steps cover the 2^16 high halves, one more the low half (as `kth_rows`): 12 reductions
-    instead of 17, the same key."""
-    tl.static_assert(keys.shape[0] < 65536)  # a count fits its 16-bit field
-    lo = tl.zeros([], dtype=tl.int32)  # high halves: lo satisfies (≥ K keys at or above), hi not
-    hi = tl.full([], 65536, tl.int32)
-    for _ in tl.static_range(11):
-        third = (hi - lo + 2) // 3
-        a = lo + third
-        b = a + third
-        ka = (a << 16) ^ -2147483648  # unsigned image → key
-        kb = (b << 16) ^ -2147483648
-        s = tl.sum(tl.where(keys >= kb, 65537, tl.where(keys >= ka, 1, 0)), 0)
-        ok_a = (a < hi) & ((s & 65535) >= K)
-        ok_b = (b < hi) & ((s >> 16) >= K)
-        hi = tl.where(ok_b, hi, tl.where(ok_a, b, a))
-        lo = tl.where(ok_b, b, tl.where(ok_a, a, lo))
-    tau = (lo << 16) ^ -2147483648
-    low = ((lo << 16) | 65535) ^ -2147483648
-    return tl.where(tl.sum((keys >= low).to(tl.int32), 0) >= K, low, tau)
-
-
-@triton.jit
-def _kth(keys, K: tl.constexpr, KEY_BITS: tl.constexpr, THIRDS: tl.constexpr):
-    if THIRDS and KEY_BITS == 16:
-        return _kth_key_thirds(keys, K)
-    else:
-        return _kth_key(keys, K, KEY_BITS)
-
-
-@triton.jit
 def _selection(keys, ok, tau, K: tl.constexpr):
     """Which of `keys` the top K takes (those > τ and the first (K − #greater) == τ, in order)
     and each one's output position."""
@@ -260,13 +227,13 @@ def _topk_candidates_kernel(
 @triton.jit
 def _select_piece(
     row_ptr, start, m, dst_i, dst_k, STORE_KEYS: tl.constexpr, K: tl.constexpr,
-    BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr, THIRDS: tl.constexpr,
+    BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """The top K of keys [start, start + m) of the row (m > K): searched in registers, indices
     written in order at dst_i (keys at dst_k too when STORE_KEYS) from memory, SUB at a time."""
     end = start + m
     keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
-    tau = _kth(keys, K, KEY_BITS, THIRDS)
+    tau = _kth_key(keys, K, KEY_BITS)
     need = K - tl.sum((keys > tau).to(tl.int32), 0)
     _write_streamed(row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS, SUB)
 
@@ -287,7 +254,6 @@ def _piece_select_kernel(
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
     KEY_BITS: tl.constexpr,
-    THIRDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -300,17 +266,14 @@ def _piece_select_kernel(
             if n <= K:
                 _store_prefix(out_row, n, K, OUT_BLOCK)
             else:
-                _select_piece(
-                    row_ptr, 0, n, out_row, out_row, False, K, BLOCK, SUB, KEY_BITS, THIRDS
-                )
+                _select_piece(row_ptr, 0, n, out_row, out_row, False, K, BLOCK, SUB, KEY_BITS)
     else:
         slot = (row * PIECES + piece) * K
         m = tl.minimum(n - start, BLOCK)
         if m > K:  # the piece's own top K, in index order
             _select_piece(
-                row_ptr, start, m, si_ptr + slot, sk_ptr + slot, True, K, BLOCK, SUB, KEY_BITS,
-                THIRDS,
-            )  # fmt: skip
+                row_ptr, start, m, si_ptr + slot, sk_ptr + slot, True, K, BLOCK, SUB, KEY_BITS
+            )
         elif m > 0:  # all of its keys
             o = tl.arange(0, OUT_BLOCK)
             tl.store(sk_ptr + slot + o, _load_keys(row_ptr, start + o, n), mask=o < m)
@@ -331,7 +294,6 @@ def _topk_merge_kernel(
     OUT_BLOCK: tl.constexpr,
     M_BLOCK: tl.constexpr,
     KEY_BITS: tl.constexpr,
-    THIRDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = _row_n(nvis_ptr, row, W)
@@ -348,7 +310,7 @@ def _topk_merge_kernel(
             off = (row * PIECES + p) * K + s
             keys = tl.load(sk_ptr + off, mask=ok, other=-2147483648)
             idx = tl.load(si_ptr + off, mask=ok, other=0)
-            _store_selection(keys, idx, ok, _kth(keys, K, KEY_BITS, THIRDS), out_row, K)
+            _store_selection(keys, idx, ok, _kth_key(keys, K, KEY_BITS), out_row, K)
 
 
 def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
@@ -400,7 +362,6 @@ def launch_topk(
     stream: int = STREAM,
     cap: int | None = None,
     key_bits: int = 32,
-    thirds: bool = False,
 ) -> Tensor:
     """topk_indices with the two levels overridable: `merge` ("slots" or "stream"; default
     slots where `slot_piece` finds a width) and `piece` (a power of two; tests use it to reach
@@ -408,9 +369,8 @@ def launch_topk(
     all bf16 values (qat's index scores, block maxima of them, ±inf): the search walks their
     keys' 16 high bits and one step for the low ones, the same selection in 17 counting steps
     instead of 32. Other logits need 32 (16 would misplace τ: the caller vouches for the values,
-    they are not checked). `thirds` (key_bits 16, slots): the search by thirds
-    (`_kth_key_thirds`, 12 reductions instead of 17). `stream` and `cap`, merge="stream" only:
-    its chunk and candidate buffer (a small cap reaches its overflow fallback)."""
+    they are not checked). `stream` and `cap`, merge="stream" only: its chunk and candidate
+    buffer (a small cap reaches its overflow fallback)."""
     check_topk(logits, n_visible, k)
     if key_bits not in (16, 32):
         raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
@@ -433,8 +393,6 @@ def launch_topk(
         merge = "stream" if slots is None else "slots"
     if merge == "slots" and (stream != STREAM or cap is not None):
         raise ValueError("topk_indices kernel: stream and cap apply to merge='stream' only")
-    if thirds and (merge != "slots" or key_bits != 16):
-        raise ValueError("topk_indices kernel: thirds applies to merge='slots' at key_bits=16")
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)  # every slot is written
     if t == 0:
         return out
@@ -442,14 +400,14 @@ def launch_topk(
         logits = logits.contiguous()
     n_visible = n_visible.contiguous()
     if slots is not None:
-        _launch_slots(logits, n_visible, out, key_bits, slots, thirds)
+        _launch_slots(logits, n_visible, out, key_bits, slots)
     else:
         _launch_stream(logits, n_visible, out, key_bits, piece or CHUNK, stream, cap)
     return out
 
 
 def _launch_slots(
-    logits: Tensor, n_visible: Tensor, out: Tensor, key_bits: int, piece: int, thirds: bool
+    logits: Tensor, n_visible: Tensor, out: Tensor, key_bits: int, piece: int
 ) -> None:
     """merge='slots': each piece's own top k into its slot, then each row's selection among
     its slots."""
@@ -476,7 +434,6 @@ def _launch_slots(
         BLOCK=piece,
         SUB=min(piece, WRITE_SUB),
         KEY_BITS=key_bits,
-        THIRDS=thirds,
         num_warps=_warps(piece),
     )
     if pieces == 1:
@@ -495,7 +452,6 @@ def _launch_slots(
         OUT_BLOCK=out_block,
         M_BLOCK=m_block,
         KEY_BITS=key_bits,
-        THIRDS=thirds,
         num_warps=max(4, min(16, m_block // 1024)),
     )
 
