@@ -9,15 +9,15 @@ selection mask, which leaves the output sorted ascending with no sort. Rows with
 0..n-1 and -1 pads without a search.
 
 Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 4096 keys
-for rows up to 16K wide, else 8192 or 16384, as few as fit the merge) selects that piece's own
-top k, the piece in registers for the search and the selection written from memory SUB keys at a
-time (`_write_streamed`, which keeps the kernel at half the registers of an in-register prefix
-sum), and writes those ≤ k keys and indices to the piece's slot; a row that is one piece is
-selected there outright. (2) one program per row selects among its pieces' slots, read piece by
-piece (so in index order). That is exact: the row's k-th largest key τ is ≥ every piece's, so
-each selected key > τ is above its piece's k-th too, and when τ is a piece's own k-th, the row's
-first ties in index order are that piece's first ties (fewer keys above τ in the piece than in
-the row leaves the piece more room for ties).
+for rows up to 16K wide, else 8192, or 16384 where 8192's slots would not fit the merge) selects
+that piece's own top k, the piece in registers for the search and the selection written from
+memory SUB keys at a time (`_write_streamed`, which keeps the kernel at half the registers of an
+in-register prefix sum), and writes those ≤ k keys and indices to the piece's slot; a row that
+is one piece is selected there outright. (2) one program per row selects among its pieces'
+slots, read piece by piece (so in index order). That is exact: the row's k-th largest key τ is ≥
+every piece's, so each selected key > τ is above its piece's k-th too, and when τ is a piece's
+own k-th, the row's first ties in index order are that piece's first ties (fewer keys above τ in
+the piece than in the row leaves the piece more room for ties).
 Rows whose pieces' slots exceed MAX_MERGE keys (pieces × k) take `merge="stream"`: one program
 per 16K piece finds its k-th key, the largest of those bounds the row's k-th from below; one
 program per row compacts the keys ≥ it from memory (at most pieces·k plus ties, in index order)
