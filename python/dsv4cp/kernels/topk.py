@@ -64,20 +64,13 @@ def _kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _selection(keys, ok, tau, K: tl.constexpr):
-    """Which of `keys` the top K takes (those > τ and the first (K − #greater) == τ, in order)
-    and each one's output position."""
+def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
+    """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
     gt = keys > tau
     eq = (keys == tau) & ok
     need = K - tl.sum(gt.to(tl.int32), 0)
     sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
-    return sel, tl.cumsum(sel.to(tl.int32), 0) - 1
-
-
-@triton.jit
-def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
-    """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
-    sel, pos = _selection(keys, ok, tau, K)
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(out_row + pos, idx, mask=sel)
 
 
