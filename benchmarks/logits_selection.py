@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         t, prefix = (int(v) for v in spec.split("@"))
         chunks = _case(t, prefix)
         width = chunks[2]
-        base_ms, base_out = 0.0, _select(chunks, VARIANTS[0][1])
+        base_ms, base_out = 0.0, None  # the first variant's (the baseline's)
         for name, kw in VARIANTS:
             out = _select(chunks, kw)
+            base_out = out if base_out is None else base_out
             ms = time_cuda(lambda c=chunks, kw=kw: _select(c, kw), warmup=1, iters=args.iters)
             ms = ms["median_ms"]
             base_ms = base_ms or ms
