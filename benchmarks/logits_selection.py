@@ -1,13 +1,12 @@
 """The logits route's selection (`kernels/topk.launch_topk` over the route's row chunks of qat
-logits) at the ratio-2 index source's shapes: the older merge (`merge="stream"`, the baseline,
-as shipped before §38 for rows wider than 16K keys; narrower rows went to a row kernel since
-removed, 1.126 ms at cold 16K in §38's first run) first, then the default (the slots merge at
-`slot_piece`'s width: each piece's own top k, merged per row) and the slots merge at three piece
-widths: ms per pass over every chunk (CUDA events), the ratio to the baseline, and whether each
-variant selects exactly what the baseline selects (it must: the selection is exact). `--tokens`
-as `T@P`: T rows at positions P … P + T − 1 over (P + T) / 2 keys (random bf16 queries and keys,
-fp32 head weights, 32 heads × 128, top-k 512, n_visible (pos + 1) // 2); the logits are made
-once by the route's own logits kernel.
+logits) at the ratio-2 index source's shapes: the pieces' search over int32 keys (`packed=False`,
+the baseline, as shipped before §39) first, then the default (the search over bf16 pairs,
+`kernels/topk_bf16x2`, at `slot_piece`'s width), the bf16-pair search at three piece widths and
+the older stream merge: ms per pass over every chunk (CUDA events), the ratio to the baseline,
+and whether each variant selects exactly what the baseline selects (it must: the selection is
+exact). `--tokens` as `T@P`: T rows at positions P … P + T − 1 over (P + T) / 2 keys (random
+bf16 queries and keys, fp32 head weights, 32 heads × 128, top-k 512, n_visible (pos + 1) // 2);
+the logits are made once by the route's own logits kernel.
 
     PYTHONPATH=python python -m benchmarks.logits_selection --tokens 65536@0,49152@0 \
         --out out/logits_selection.json
@@ -28,9 +27,10 @@ from dsv4cp.ops.indexer_topk import LOGITS_BUDGET_BYTES, row_chunks
 
 HEADS, DIM, TOP_K = 32, 128, 512
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
-    ("stream (before)", {"merge": "stream"}),
+    ("int32 keys (before)", {"packed": False}),
     ("default", {}),
-    *[(f"slots piece={p}", {"merge": "slots", "piece": p}) for p in (4096, 8192, 16384)],
+    *[(f"bf16 pairs piece={p}", {"merge": "slots", "piece": p}) for p in (4096, 8192, 16384)],
+    ("stream merge", {"merge": "stream"}),
 ]
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("logits_selection: needs a CUDA GPU", file=sys.stderr)
         return 2
-    table = Table(title="the logits route's selection (key_bits 16), the stream merge first")
+    table = Table(title="the logits route's selection (key_bits 16), the int32 keys' search first")
     rows: list[dict[str, Any]] = []
     for spec in args.tokens.split(","):
         t, prefix = (int(v) for v in spec.split("@"))

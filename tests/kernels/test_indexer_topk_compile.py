@@ -221,8 +221,10 @@ def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
     _compile(m._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
     cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits)
     _compile(m._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)
-    for block in (4096, 8192):  # merge="slots"
+    for block in (4096, 8192):  # merge="slots"; 16-bit keys: the bf16-pair search, as launched
         sel = dict(K=512, OUT_BLOCK=512, BLOCK=block, SUB=2048, KEY_BITS=bits)
-        _compile(m._piece_select_kernel, ptrs + ["*i32"] * 2 + ["i32"] * 4, sel, block // 2048, 1)
+        sel |= dict(PACKED=bits == 16, EMULATE=False)
+        ptx = _compile(m._piece_select_kernel, ptrs + ["*i32"] * 2 + ["i32"] * 4, sel, 4, 1)
+        assert ("set.ge.u32.bf16x2" in ptx) == (bits == 16)
     merge = dict(K=512, OUT_BLOCK=512, M_BLOCK=4096, KEY_BITS=bits)
     _compile(m._topk_merge_kernel, ["*i32"] * 4 + ["i32"] * 4, merge, 4, 1)

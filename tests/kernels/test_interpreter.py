@@ -118,7 +118,7 @@ def _cases():  # noqa: C901 - one namespace of small check functions
             assert torch.all(got[len(picked) :] == -1), "pads are not last"
             assert len(picked) == min(n, k), "wrong count"
             assert torch.all(picked[1:] > picked[:-1]), "not sorted ascending"
-            if n > k:
+            if n > k and not logits[r, :n].isnan().any():
                 chosen = torch.zeros(n, dtype=torch.bool)
                 chosen[picked.long()] = True
                 row = logits[r, :n]
@@ -210,29 +210,45 @@ def _cases():  # noqa: C901 - one namespace of small check functions
     def topk_key_bits():
         # bf16-valued logits (both signs, heavy ties, ±inf): the 17-step search selects what the
         # 32-step one and the twin select, in registers, two-level and its overflow fallback
+        # (key_bits 16 takes the bf16-pair search by default, packed=False the int32 keys'), and
+        # a piece holding a NaN falls back to the int32 keys from memory
         torch.manual_seed(8)
-        t, w, k = 5, 300, 24
+        t, w, k = 9, 300, 24
         logits = (torch.randn(t, w) * 3).bfloat16().float()
         logits[0, 10:90] = 0.5
         logits[1] = float("-inf")
         logits[1, ::7] = torch.randn(43).bfloat16().float()
         logits[2, ::5] = float("inf")
         logits[3] = torch.randint(-3, 4, (w,)).float()
-        nv = torch.tensor([300, 300, 257, 130, 25])
+        logits[5, ::2], logits[5, 1::2] = 0.0, -0.0  # the cut among ±0: they tie, as in the twin
+        logits[5, 100:110] = 1.0
+        logits[6, 7] = logits[6, 200] = float("nan")  # NaNs: above +inf (+), below −inf (−)
+        logits[6, 50] = -float("nan")
+        logits[7] = -logits[7].abs()  # all negative
+        logits[8, ::3] = float("-inf")
+        nv = torch.tensor([300, 300, 257, 130, 25, 300, 300, 290, 300])
         want = ops.topk_indices(logits, nv, k)
         stream = {"piece": 64, "merge": "stream", "stream": 32}
         for kw in ({}, {"piece": 64}, {"piece": 16}, stream, {**stream, "cap": 32}):
-            for bits in (16, 32):
-                got = launch_topk(logits, nv, k, key_bits=bits, **kw)
+            for bits, packed in ((16, None), (16, False), (32, None)):
+                got = launch_topk(logits, nv, k, key_bits=bits, packed=packed, **kw)
                 check_topk_valid(got, logits, nv, k)
-                assert torch.equal(got, want), (kw, bits)
-        for bad in (8, 31):
+                assert torch.equal(got, want), (kw, bits, packed)
+        xb = logits.bfloat16()  # the same values as bf16 logits (torch's cast makes NaNs −NaN)
+        want = ops.topk_indices(xb.float(), nv, k)
+        for packed in (None, False):
+            got = launch_topk(xb, nv, k, key_bits=16, packed=packed)
+            assert torch.equal(got, want), ("bf16", packed)
+        for bad, said in (({"key_bits": 8}, "key_bits must be 16 or 32"),
+                          ({"key_bits": 31}, "key_bits must be 16 or 32"),
+                          ({"packed": True}, "packed needs key_bits=16"),
+                          ):  # fmt: skip
             try:
-                launch_topk(logits, nv, k, key_bits=bad)
+                launch_topk(logits, nv, k, **bad)
             except ValueError as e:
-                assert "key_bits must be 16 or 32" in str(e)
+                assert said in str(e), e
             else:
-                raise AssertionError(f"key_bits={bad} accepted")
+                raise AssertionError(f"{bad} accepted")
 
     def topk_n_le_k():
         logits = torch.randn(4, 40)

@@ -86,9 +86,10 @@ def test_unsupported_k_raises() -> None:
 
 @pytest.mark.parametrize("w", [8192, 40000])
 def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
-    """qat's index scores are bf16 values: the 16-bit search (17 counting steps, the logits
-    route's) picks what the twin picks — heavy ties, both signs, ±0, ±inf, rows with ≤ k
-    visible, by the slots merge at its own and other piece widths and by the stream merge."""
+    """qat's index scores are bf16 values: the 16-bit searches (over bf16 pairs, the logits
+    route's, and over int32 keys) pick what the twin picks — heavy ties, both signs, the cut
+    among ±0 (they tie), ±inf, NaNs (a piece holding one falls back to the int32 keys), rows with
+    ≤ k visible, by the slots merge at its own and other piece widths and by the stream merge."""
     g = torch.Generator(device="cuda").manual_seed(w)
     t, k = 24, 512
     logits = (torch.randn(t, w, device="cuda", generator=g) * 4).bfloat16().float()
@@ -98,11 +99,18 @@ def test_bf16_scores_16_bit_search_matches_twin(w: int) -> None:
     logits[3] = float("-inf")
     logits[3, ::9] = 1.0
     logits[4] = -logits[4].abs()  # all negative
+    logits[8, ::2], logits[8, 1::2] = 0.0, -0.0
+    logits[8, 3000:3100] = 1.0
+    logits[9, 5000] = logits[9, 7001] = float("nan")  # above +inf in the twin's order
     nv = torch.randint(k + 1, w + 1, (t,), device="cuda", generator=g)
     nv[5:8] = torch.tensor([0, k, k + 1], device="cuda")
+    nv[8:10] = w
     want = ops.topk_indices(logits, nv, k)
+    assert (want[9] == 5000).any() and (want[9] == 7001).any()  # the NaNs are picked
     wide = ({"piece": 16384},) if w > 16384 else ()
-    for kw in ({}, {"piece": 4096}, {"merge": "stream"}, *wide):
+    for kw in ({}, {"packed": False}, {"piece": 4096}, {"merge": "stream"}, *wide):
         got = launch_topk(logits, nv, k, key_bits=16, **kw)
-        _check_valid(got, logits, nv, k)
+        ok = torch.ones(t, dtype=torch.bool, device="cuda")
+        ok[9] = False  # the set check cannot order NaNs
+        _check_valid(got[ok], logits[ok], nv[ok], k)
         assert torch.equal(got, want), kw

@@ -15,7 +15,7 @@ from dsv4cp.kernels.topk import MAX_MERGE, launch_topk, slot_piece  # noqa: E402
     ("w", "k", "piece"),
     [
         (300, 24, 512),  # narrower than a piece: one piece as wide as the row (a power of two)
-        (8192, 512, 4096),  # cold 16K: two 4K pieces
+        (8192, 512, 4096),  # cold 16K, the int32 keys' search: two 4K pieces
         (16384, 512, 4096),
         (16385, 512, 8192),  # wider than 16K: 8K pieces
         (65536, 512, 8192),
@@ -32,6 +32,15 @@ def test_slot_piece(w: int, k: int, piece: int | None) -> None:
     if piece is not None:
         pieces = -(-w // piece)
         assert (1 << (pieces - 1).bit_length()) * (1 << (k - 1).bit_length()) <= MAX_MERGE
+
+
+@pytest.mark.parametrize(
+    ("w", "piece"),
+    [(300, 512), (8192, 8192), (16384, 8192), (65536, 8192), (262145, 16384), (524289, None)],
+)
+def test_slot_piece_of_the_bf16_pair_search(w: int, piece: int | None) -> None:
+    """The search over bf16 pairs (key_bits 16) takes 8K pieces from the narrowest rows on."""
+    assert slot_piece(w, 512, packed=True) == piece
 
 
 def test_merge_choice_and_refusals() -> None:

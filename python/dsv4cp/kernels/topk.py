@@ -1,15 +1,17 @@
 """Exact per-row top-k indices by threshold search (attention-math §4.5, §5.3).
 
-fp32 logits map to order-preserving int32 keys; a 32-step bitwise search finds the k-th largest
-key τ (each step counts keys ≥ a candidate; `key_bits=16`: 17 steps, for logits that are all
-bf16 values, as qat's index scores are — `running_topk`'s module docstring says why); the
-output is every key > τ plus the first (k − #greater) keys == τ in index order, so ties resolve
-to the lowest indices (as the ops twin does). Positions come from a prefix sum over the
-selection mask, which leaves the output sorted ascending with no sort. Rows with n ≤ k write
-0..n-1 and -1 pads without a search.
+fp32 (or bf16) logits map to order-preserving int32 keys (−0 ties +0, as in the twin); a
+32-step bitwise search finds the k-th largest key τ (each step counts keys ≥ a candidate;
+`key_bits=16`: 17 steps, for logits that are all bf16 values, as qat's index scores are —
+`running_topk`'s module docstring says why — and the slots merge's pieces then search 16 steps
+over bf16 pairs, `topk_bf16x2`, two keys per compare); the output is every key > τ plus the
+first (k − #greater) keys == τ in index order, so ties resolve to the lowest indices (as the ops
+twin does). Positions come from a prefix sum over the selection mask, which leaves the output
+sorted ascending with no sort. Rows with n ≤ k write 0..n-1 and -1 pads without a search.
 
-Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 4096 keys
-for rows up to 16K wide, else 8192, or 16384 where 8192's slots would not fit the merge) selects
+Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 8192 keys,
+4096 for rows up to 16K wide in the int32 keys' search, or 16384 where 8192's slots would not
+fit the merge) selects
 that piece's own top k, the piece in registers for the search and the selection written from
 memory SUB keys at a time (`_write_streamed`, which keeps the kernel at half the registers of an
 in-register prefix sum), and writes those ≤ k keys and indices to the piece's slot; a row that
@@ -32,7 +34,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dsv4cp.kernels._triton import interpreting
 from dsv4cp.kernels.running_topk import kth_rows
+from dsv4cp.kernels.topk_bf16x2 import kth_bf16x2
 
 MAX_K = 4096
 CHUNK = 16384  # merge="stream"'s piece, in registers
@@ -52,8 +56,9 @@ def _sortable(x):
 
 @triton.jit
 def _load_keys(row_ptr, cols, n):
-    x = tl.load(row_ptr + cols, mask=cols < n, other=0.0)
-    return tl.where(cols < n, _sortable(x), -2147483648)
+    key = _sortable(tl.load(row_ptr + cols, mask=cols < n, other=0.0).to(tl.float32))
+    key = tl.where(key == -1, 0, key)  # −0's key is −1: −0 ties +0, as in the twin
+    return tl.where(cols < n, key, -2147483648)
 
 
 @triton.jit
@@ -76,26 +81,31 @@ def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
 
 @triton.jit
 def _write_streamed(
-    row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS: tl.constexpr, SUB: tl.constexpr
-):
+    row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS: tl.constexpr, SUB: tl.constexpr,
+    ALL_TIES: tl.constexpr = False,
+):  # fmt: skip
     """The selection among keys [start, end) of the row in memory (those > τ and the first
     `need` == τ), SUB at a time: positions at dst_i, in order (keys at dst_k too when
     STORE_KEYS). A kernel that searched the row in registers writes this way to keep only SUB
-    of them live (the whole row's running sums would double its registers)."""
+    of them live (the whole row's running sums would double its registers). ALL_TIES: the
+    caller knows every key == τ is selected (exactly K are ≥ τ), so the keys ≥ τ are, by one
+    prefix sum instead of two."""
     cols = tl.arange(0, SUB)
     eq_before = tl.zeros([], dtype=tl.int32)
     sel_before = tl.zeros([], dtype=tl.int32)
     for c0 in range(start, end, SUB):
         cc = c0 + cols
         kc = _load_keys(row_ptr, cc, end)
-        gt = kc > tau
-        eq = (kc == tau) & (cc < end)
-        sel = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        if ALL_TIES:
+            sel = kc >= tau  # pads are INT_MIN, below every τ
+        else:
+            eq = (kc == tau) & (cc < end)
+            sel = (kc > tau) | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
+            eq_before += tl.sum(eq.to(tl.int32), 0)
         pos = sel_before + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(dst_i + pos, cc, mask=sel)
         if STORE_KEYS:
             tl.store(dst_k + pos, kc, mask=sel)
-        eq_before += tl.sum(eq.to(tl.int32), 0)
         sel_before += tl.sum(sel.to(tl.int32), 0)
 
 
@@ -218,17 +228,45 @@ def _topk_candidates_kernel(
 
 
 @triton.jit
+def _stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The K-th largest of the row's n keys in memory and how many are greater: 32 counting
+    passes and one more (the packed search's fallback for a piece holding a NaN)."""
+    tau_u = tl.zeros([], dtype=tl.int64)
+    one = tl.full([], 1, tl.int64)
+    for i in range(32):
+        tau_u = _stream_raise(row_ptr, n, tau_u, one << (31 - i), K, BLOCK)
+    tau = (tau_u - 2147483648).to(tl.int32)
+    cols = tl.arange(0, BLOCK)
+    n_gt = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
+    return tau, n_gt
+
+
+@triton.jit
 def _select_piece(
     row_ptr, start, m, dst_i, dst_k, STORE_KEYS: tl.constexpr, K: tl.constexpr,
-    BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr, PACKED: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """The top K of keys [start, start + m) of the row (m > K): searched in registers, indices
-    written in order at dst_i (keys at dst_k too when STORE_KEYS) from memory, SUB at a time."""
+    """The top K of keys [start, start + m) of the row (m > K): searched in registers (PACKED:
+    as bf16 pairs, `topk_bf16x2`), indices written in order at dst_i (keys at dst_k too when
+    STORE_KEYS) from memory, SUB at a time."""
     end = start + m
-    keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
-    tau = _kth_key(keys, K, KEY_BITS)
-    need = K - tl.sum((keys > tau).to(tl.int32), 0)
-    _write_streamed(row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS, SUB)
+    all_ties = False
+    if PACKED:
+        tau, n_gt, n_ge, ok = kth_bf16x2(row_ptr, start, end, K, BLOCK, EMULATE)
+        all_ties = ok and n_ge == K  # no key == τ left out
+        if not ok:
+            tau, n_gt = _stream_kth(row_ptr + start, m, K, SUB)
+    else:
+        keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
+        tau = _kth_key(keys, K, KEY_BITS)
+        n_gt = tl.sum((keys > tau).to(tl.int32), 0)
+    if all_ties:  # the keys ≥ τ: one prefix sum
+        _write_streamed(row_ptr, start, end, tau, 0, dst_i, dst_k, STORE_KEYS, SUB, True)
+    else:
+        _write_streamed(row_ptr, start, end, tau, K - n_gt, dst_i, dst_k, STORE_KEYS, SUB)
 
 
 @triton.jit
@@ -247,6 +285,8 @@ def _piece_select_kernel(
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
     KEY_BITS: tl.constexpr,
+    PACKED: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -259,14 +299,28 @@ def _piece_select_kernel(
             if n <= K:
                 _store_prefix(out_row, n, K, OUT_BLOCK)
             else:
-                _select_piece(row_ptr, 0, n, out_row, out_row, False, K, BLOCK, SUB, KEY_BITS)
+                _select_piece(
+                    row_ptr,
+                    0,
+                    n,
+                    out_row,
+                    out_row,
+                    False,
+                    K,
+                    BLOCK,
+                    SUB,
+                    KEY_BITS,
+                    PACKED,
+                    EMULATE,
+                )
     else:
         slot = (row * PIECES + piece) * K
         m = tl.minimum(n - start, BLOCK)
         if m > K:  # the piece's own top K, in index order
             _select_piece(
-                row_ptr, start, m, si_ptr + slot, sk_ptr + slot, True, K, BLOCK, SUB, KEY_BITS
-            )
+                row_ptr, start, m, si_ptr + slot, sk_ptr + slot, True, K, BLOCK, SUB, KEY_BITS,
+                PACKED, EMULATE,
+            )  # fmt: skip
         elif m > 0:  # all of its keys
             o = tl.arange(0, OUT_BLOCK)
             tl.store(sk_ptr + slot + o, _load_keys(row_ptr, start + o, n), mask=o < m)
@@ -310,8 +364,8 @@ def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
     """Raise ValueError naming the limit when the kernel cannot take these shapes."""
     if logits.dim() != 2:
         raise ValueError(f"topk_indices: logits must be [T, W], got {tuple(logits.shape)}")
-    if logits.dtype != torch.float32:
-        raise ValueError(f"topk_indices kernel: logits must be fp32, got {logits.dtype}")
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"topk_indices kernel: logits must be fp32 or bf16, got {logits.dtype}")
     if not 1 <= k <= MAX_K:
         raise ValueError(f"topk_indices kernel: k must be in [1, {MAX_K}], got {k}")
     if n_visible.shape != (logits.shape[0],):
@@ -324,12 +378,13 @@ def _warps(block: int) -> int:
     return max(4, min(8, block // 2048))
 
 
-def slot_piece(w: int, k: int) -> int | None:
+def slot_piece(w: int, k: int, packed: bool = False) -> int | None:
     """merge="slots"' piece width for rows `w` wide at top `k` (measured, docs/performance.md
-    §38: 4096 up to 16K keys, 8192 above), widened while the merge's pieces × k slots would not
-    fit MAX_MERGE; None where no width fits (merge="stream" then)."""
+    §38–§39: 8192; 4096 up to 16K keys for the int32 keys' search, `packed` False), widened
+    while the merge's pieces × k slots would not fit MAX_MERGE; None where no width fits
+    (merge="stream" then)."""
     out_block = triton.next_power_of_2(k)
-    for piece in SLOT_PIECES[0 if w <= 16384 else 1 :]:
+    for piece in SLOT_PIECES[0 if w <= 16384 and not packed else 1 :]:
         piece = min(piece, max(16, triton.next_power_of_2(w)))
         if _merge_block(w, piece, out_block) <= MAX_MERGE:
             return piece
@@ -355,6 +410,7 @@ def launch_topk(
     stream: int = STREAM,
     cap: int | None = None,
     key_bits: int = 32,
+    packed: bool | None = None,
 ) -> Tensor:
     """topk_indices with the two levels overridable: `merge` ("slots" or "stream"; default
     slots where `slot_piece` finds a width) and `piece` (a power of two; tests use it to reach
@@ -362,20 +418,25 @@ def launch_topk(
     all bf16 values (qat's index scores, block maxima of them, ±inf): the search walks their
     keys' 16 high bits and one step for the low ones, the same selection in 17 counting steps
     instead of 32. Other logits need 32 (16 would misplace τ: the caller vouches for the values,
-    they are not checked). `stream` and `cap`, merge="stream" only: its chunk and candidate
-    buffer (a small cap reaches its overflow fallback)."""
+    they are not checked). `packed` (default: key_bits == 16; merge="slots"): the pieces'
+    search over bf16 pairs (`topk_bf16x2`), the same selection. `stream` and `cap`,
+    merge="stream" only: its chunk and candidate buffer (a small cap reaches its overflow
+    fallback)."""
     check_topk(logits, n_visible, k)
     if key_bits not in (16, 32):
         raise ValueError(f"topk_indices kernel: key_bits must be 16 or 32, got {key_bits}")
     if piece is not None and (piece < 1 or piece & (piece - 1)):
         raise ValueError(f"topk_indices kernel: piece must be a power of two, got {piece}")
+    if packed and key_bits != 16:
+        raise ValueError("topk_indices kernel: packed needs key_bits=16 (bf16-valued logits)")
     if merge not in (None, "slots", "stream"):
         raise ValueError(f"topk_indices kernel: merge must be 'slots' or 'stream', got {merge!r}")
     t, w = logits.shape
     out_block = triton.next_power_of_2(k)
+    packed = key_bits == 16 and packed is not False
     slots = None  # the slots merge's piece width
     if merge != "stream":
-        slots = piece or slot_piece(w, k)
+        slots = piece or slot_piece(w, k, packed)
         if slots is not None and _merge_block(w, slots, out_block) > MAX_MERGE:
             slots = None
         if merge == "slots" and slots is None:
@@ -393,14 +454,14 @@ def launch_topk(
         logits = logits.contiguous()
     n_visible = n_visible.contiguous()
     if slots is not None:
-        _launch_slots(logits, n_visible, out, key_bits, slots)
+        _launch_slots(logits, n_visible, out, key_bits, slots, packed)
     else:
         _launch_stream(logits, n_visible, out, key_bits, piece or CHUNK, stream, cap)
     return out
 
 
 def _launch_slots(
-    logits: Tensor, n_visible: Tensor, out: Tensor, key_bits: int, piece: int
+    logits: Tensor, n_visible: Tensor, out: Tensor, key_bits: int, piece: int, packed: bool
 ) -> None:
     """merge='slots': each piece's own top k into its slot, then each row's selection among
     its slots."""
@@ -427,6 +488,8 @@ def _launch_slots(
         BLOCK=piece,
         SUB=min(piece, WRITE_SUB),
         KEY_BITS=key_bits,
+        PACKED=packed,
+        EMULATE=interpreting(),
         num_warps=_warps(piece),
     )
     if pieces == 1:
