@@ -12,8 +12,7 @@ running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once)
 `seed_stride` 64 and 256 (a denser or sparser sample than the planned one). `route=scan` and
 `route=logits` time the plain top-k's two routes (`kernel.pick_route`: the shipped one is
 picked by width and rows) on the index source, and in qat `route=logits/unpacked` the logits
-route with its logits kernel's bf16 roundings one value per instruction (before §36) and
-`route=logits/bf16` with its logits held as bf16 (opt-in, §39);
+route with its logits kernel's bf16 roundings one value per instruction (before §36);
 `route=logits/fill` that route writing -inf past each row's visible keys (before §37). `--only`
 picks variants by name.
 
@@ -119,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     variants += [("route=scan", {"route": "scan"}), ("route=logits", {"route": "logits"})]
     if args.quant == "qat":
         variants += [("route=logits/unpacked", {"route": "logits", "packed": False})]
-        variants += [("route=logits/bf16", {"route": "logits", "bf16_logits": True})]
     variants += [("route=logits/fill", {"route": "logits", "fill_logits": True})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.only:

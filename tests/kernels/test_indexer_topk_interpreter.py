@@ -311,8 +311,6 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             ops_chunks.LOGITS_BUDGET_BYTES = budget
         qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
-        equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits",
-                                   bf16_logits=True)[0], qat, "qat, bf16 logits")  # fmt: skip
         # The route leaves the logits past n_visible unwritten (fill=False): the visible ones are
         # fill=True's, and the selection never reads the others (+inf there changes nothing).
         from dsv4cp.kernels.indexer_logits import launch_mqa_logits
@@ -329,19 +327,6 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             equal(launch_topk(poisoned, nv, 8), want, "the selection read a hidden logit")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, route="logits", fill_logits=True)[0],
               ops.mqa_topk(q, w, k, nv, 8), "fill_logits=True")  # fmt: skip
-        # qat's logits as bf16 (the route's default there): the fp32 logits' values, and refused
-        # without qat (fp32 scores would round)
-        for kk, width in ((ks, 96), (None, None)):
-            f32 = launch_mqa_logits(q, w, k, nv, k_start=kk, width=width, quant="qat")
-            b16 = launch_mqa_logits(q, w, k, nv, k_start=kk, width=width, quant="qat",
-                                    out_dtype=torch.bfloat16)  # fmt: skip
-            assert b16.dtype == torch.bfloat16 and torch.equal(b16.float(), f32), "bf16 logits"
-        try:
-            launch_mqa_logits(q, w, k, nv, out_dtype=torch.bfloat16)
-        except ValueError as e:
-            assert "bf16 in qat" in str(e), e
-        else:
-            raise AssertionError("bf16 logits accepted without qat")
 
     def pieces_merged_raw_or_cut():
         # Several pieces: their running buffers go to the merge as they are when pieces · cap

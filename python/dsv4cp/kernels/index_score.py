@@ -68,19 +68,6 @@ def _round_bf16x2(x):
 
 
 @triton.jit
-def bf16x2(x):
-    """fp32 → bf16 (ties to even), two values per `cvt.rn.bf16x2.f32` (GPU only)."""
-    return tl.inline_asm_elementwise(
-        asm="cvt.rn.bf16x2.f32 $0, $2, $1;",
-        constraints="=r,r,r",
-        args=[x],
-        dtype=tl.bfloat16,
-        is_pure=True,
-        pack=2,
-    )
-
-
-@triton.jit
 def head_term(s, w, QAT: tl.constexpr, RNE: tl.constexpr, PACKED: tl.constexpr):
     """One head's relu(s)·w in fp32, or the reference's bf16 steps under qat:
     bf16(relu(bf16(s)) · bf16(w)) (`ops.attention_quant.index_scores_qat`)."""

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels._triton import dot_flags, interpreting
-from dsv4cp.kernels.index_score import add_heads, bf16x2, head_term, index_score
+from dsv4cp.kernels.index_score import add_heads, head_term, index_score
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the H200 default, picked by benchmarks/kernels.py
@@ -63,7 +63,6 @@ def _mqa_logits_kernel(
     EMULATE: tl.constexpr,
     PACKED: tl.constexpr,
     FILL: tl.constexpr,
-    OUT_BF16: tl.constexpr,
 ):
     # Row blocks that share one k_start (all of them without k_start); the others are left to
     # _mqa_logits_rows_kernel.
@@ -98,16 +97,15 @@ def _mqa_logits_kernel(
             w_ptrs = w_ptr + rows.to(tl.int64) * stride_wt
             acc = add_heads(acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, EMULATE, PACKED,
                             UPCAST, DOT_PREC, STAGES)  # fmt: skip
+        acc = index_score(acc, QAT, EMULATE, PACKED)
         visible = cols[None, :] < nvis[:, None]
-        if OUT_BF16 and PACKED and not EMULATE:  # qat's rounding is the store's cast
-            val = bf16x2(tl.where(visible, acc, float("-inf")))
-        else:  # into bf16 logits too: the qat scores are bf16 values, the cast exact
-            val = tl.where(visible, index_score(acc, QAT, EMULATE, PACKED), float("-inf"))
         store_ok = row_ok[:, None] & (cols < WIDTH)[None, :]
         if not FILL:
             store_ok = store_ok & visible  # the hidden entries stay unwritten
         tl.store(
-            out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], val, mask=store_ok
+            out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
+            tl.where(visible, acc, float("-inf")),
+            mask=store_ok,
         )
 
 
@@ -231,24 +229,18 @@ def launch_mqa_logits(
     config: tuple[int, int, int, int] | None = None,
     packed: bool = True,
     fill: bool = True,
-    out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """mqa_logits with an explicit (BLOCK_T, BLOCK_N, num_warps, num_stages) (benchmarks).
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
     same bits as `packed=False`, which rounds one value at a time). `fill=False`: the row
     blocks that share one k_start leave their entries j ≥ n_visible[t] unwritten instead of
-    -inf (for a reader that never reads them: the logits route's top-k). `out_dtype` bf16 (qat
-    only: its scores are bf16 values, so the same logits in half the bytes)."""
+    -inf (for a reader that never reads them: the logits route's top-k)."""
     check_mqa_logits(q, weights, k, n_visible)
     qat = check_quant_mode(quant) == "qat"
-    if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype != torch.float32 and not qat):
-        raise ValueError(
-            f"mqa_logits: out_dtype must be fp32, or bf16 in qat (bf16 scores), got {out_dtype}"
-        )
     t, h, d = q.shape
     n = k.shape[0]
     width = n if width is None else int(width)
-    out = torch.empty((t, width), dtype=out_dtype, device=q.device)
+    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
     if t == 0 or width == 0:
         return out
     if q.stride(2) != 1:
@@ -296,7 +288,6 @@ def launch_mqa_logits(
         EMULATE=interpreting(),
         PACKED=packed and q.is_cuda,
         FILL=fill,
-        OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=warps,
         num_stages=stages,
     )

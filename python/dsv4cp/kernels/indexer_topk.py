@@ -112,7 +112,6 @@ def launch_mqa_topk(
     key_bits: int | None = None,
     packed: bool = True,
     fill_logits: bool = False,
-    bf16_logits: bool = False,
     route: str = "scan",
     seed_stride: int | None = None,
     seed_rank: int | None = None,
@@ -134,10 +133,9 @@ def launch_mqa_topk(
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
     same bits as `packed=False`, which rounds one value at a time). `fill_logits`: the logits
     route writes -inf to the logits its selection never reads (j ≥ n_visible; before §37 it
-    did; the same selection). `bf16_logits`: in qat the logits route keeps its logits as bf16
-    (they are bf16 values: half the bytes; opt-in, docs/performance.md §39). `route`: "scan"
-    (the fused kernel, which the other knobs tune), "logits" (the plain top-k only: logits to
-    memory, then the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
+    did; the same selection). `route`: "scan" (the fused
+    kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
+    the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
     `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     scan_knobs = (config, pieces, cap, row_group, consumer, seed_stride, seed_rank) != (
@@ -184,18 +182,7 @@ def launch_mqa_topk(
         return out, blocks_out
     if use_logits:
         return logits_then_topk(
-            q,
-            weights,
-            k,
-            n_visible,
-            k_top,
-            k_start,
-            width,
-            quant,
-            key_bits,
-            packed,
-            fill_logits,
-            torch.bfloat16 if qat and bf16_logits else torch.float32,
+            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits, packed, fill_logits
         ), None
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -337,18 +324,15 @@ def logits_then_topk(
     key_bits: int = 32,
     packed: bool = True,
     fill: bool = False,
-    logits_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
-    row chunks), with the kernels: `mqa_logits` (`packed`, `fill`, `logits_dtype` as
-    `launch_mqa_logits`' `out_dtype`: the selection reads only j < n_visible, so by default
-    those past it stay unwritten), then
+    row chunks), with the kernels: `mqa_logits` (`packed`, `fill` as `launch_mqa_logits`: the
+    selection reads only j < n_visible, so by default those past it stay unwritten), then
     `topk_indices` (its search over `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
     (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
         lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top, key_bits=key_bits)],
-        quant,
-        logits_fn=partial(launch_mqa_logits, packed=packed, fill=fill, out_dtype=logits_dtype),
+        quant, logits_fn=partial(launch_mqa_logits, packed=packed, fill=fill),
     )  # fmt: skip
     return out
 
