@@ -9,17 +9,17 @@ first (k − #greater) keys == τ in index order, so ties resolve to the lowest 
 twin does). Positions come from a prefix sum over the selection mask, which leaves the output
 sorted ascending with no sort. Rows with n ≤ k write 0..n-1 and -1 pads without a search.
 
-Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 8192 keys,
-4096 for rows up to 16K wide in the int32 keys' search, or 16384 where 8192's slots would not
-fit the merge) selects
-that piece's own top k, the piece in registers for the search and the selection written from
-memory SUB keys at a time (`_write_streamed`, which keeps the kernel at half the registers of an
-in-register prefix sum), and writes those ≤ k keys and indices to the piece's slot; a row that
-is one piece is selected there outright. (2) one program per row selects among its pieces'
-slots, read piece by piece (so in index order). That is exact: the row's k-th largest key τ is ≥
-every piece's, so each selected key > τ is above its piece's k-th too, and when τ is a piece's
-own k-th, the row's first ties in index order are that piece's first ties (fewer keys above τ in
-the piece than in the row leaves the piece more room for ties).
+Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piece`: 8192 keys, 4096
+for rows up to 16K wide in the int32 keys' search, or 16384 where 8192's slots would not fit the
+merge) selects that piece's own top k, the piece in registers for the search (a piece holding a NaN:
+the bf16-pair search hands it to the search from memory) and the selection written from memory SUB
+keys at a time (`_write_streamed`, which keeps the kernel at half the registers of an in-register
+prefix sum), and writes those ≤ k keys and indices to the piece's slot; a row that is one piece is
+selected there outright. (2) one program per row selects among its pieces' slots, read piece by
+piece (so in index order). That is exact: the row's k-th largest key τ is ≥ every piece's, so each
+selected key > τ is above its piece's k-th too, and when τ is a piece's own k-th, the row's first
+ties in index order are that piece's first ties (fewer keys above τ in the piece than in the row
+leaves the piece more room for ties).
 Rows whose pieces' slots exceed MAX_MERGE keys (pieces × k) take `merge="stream"`: one program
 per 16K piece finds its k-th key, the largest of those bounds the row's k-th from below; one
 program per row compacts the keys ≥ it from memory (at most pieces·k plus ties, in index order)
@@ -123,12 +123,9 @@ def _stream_raise(row_ptr, n, tau_u, step, K: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _stream_select(
-    row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr
-):
-    """Whole-row search from memory: KEY_BITS (+1 below 32) counting passes (`kth_rows`' search),
-    one counting pass, one writing pass."""
-    cols = tl.arange(0, BLOCK)
+def _stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The K-th largest of the row's n keys in memory and how many are greater: KEY_BITS (+1
+    below 32) counting passes (`kth_rows`' search) and one more."""
     tau_u = tl.zeros([], dtype=tl.int64)
     one = tl.full([], 1, tl.int64)
     for i in range(KEY_BITS):
@@ -136,9 +133,19 @@ def _stream_select(
     if KEY_BITS < 32:  # the low bits: all zero or all ones (running_topk's module docstring)
         tau_u = _stream_raise(row_ptr, n, tau_u, (one << (32 - KEY_BITS)) - 1, K, BLOCK)
     tau = (tau_u - 2147483648).to(tl.int32)
+    cols = tl.arange(0, BLOCK)
     n_gt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
         n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
+    return tau, n_gt
+
+
+@triton.jit
+def _stream_select(
+    row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr
+):
+    """Whole-row search from memory (`_stream_kth`), then one writing pass."""
+    tau, n_gt = _stream_kth(row_ptr, n, K, BLOCK, KEY_BITS)
     _write_streamed(row_ptr, 0, n, tau, K - n_gt, out_row, out_row, False, BLOCK)
 
 
@@ -228,22 +235,6 @@ def _topk_candidates_kernel(
 
 
 @triton.jit
-def _stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
-    """The K-th largest of the row's n keys in memory and how many are greater: 32 counting
-    passes and one more (the packed search's fallback for a piece holding a NaN)."""
-    tau_u = tl.zeros([], dtype=tl.int64)
-    one = tl.full([], 1, tl.int64)
-    for i in range(32):
-        tau_u = _stream_raise(row_ptr, n, tau_u, one << (31 - i), K, BLOCK)
-    tau = (tau_u - 2147483648).to(tl.int32)
-    cols = tl.arange(0, BLOCK)
-    n_gt = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, n, BLOCK):
-        n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
-    return tau, n_gt
-
-
-@triton.jit
 def _select_piece(
     row_ptr, start, m, dst_i, dst_k, STORE_KEYS: tl.constexpr, K: tl.constexpr,
     BLOCK: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr, PACKED: tl.constexpr,
@@ -258,7 +249,7 @@ def _select_piece(
         tau, n_gt, n_ge, ok = kth_bf16x2(row_ptr, start, end, K, BLOCK, EMULATE)
         all_ties = ok and n_ge == K  # no key == τ left out
         if not ok:
-            tau, n_gt = _stream_kth(row_ptr + start, m, K, SUB)
+            tau, n_gt = _stream_kth(row_ptr + start, m, K, SUB, KEY_BITS)  # from memory
     else:
         keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
         tau = _kth_key(keys, K, KEY_BITS)

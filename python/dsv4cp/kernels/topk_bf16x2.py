@@ -11,7 +11,8 @@ u is compared as the bf16 value it images, so the compare is the float order, in
 +0 (the keys' canonical order: `topk._load_keys` maps −0 to +0, as the twin does). The images
 below −inf's (the negative NaN patterns) are compared as −inf and those above +inf's count
 nothing, which is what the keys' order gives while no key is a NaN. A piece holding a NaN
-reports it (`ok` false) and the caller searches it in the int32 keys instead.
+reports it (`ok` false) and the caller searches its int32 keys from memory instead. The search
+also counts the keys ≥ τ: where exactly K are, the caller writes them with one prefix sum.
 
 The CPU interpreter has no inline asm: EMULATE compares the unpacked halves as fp32.
 """
