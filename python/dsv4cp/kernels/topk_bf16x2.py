@@ -76,6 +76,7 @@ def kth_bf16x2(row_ptr, start, end, K: tl.constexpr, BLOCK: tl.constexpr, EMULAT
     nans = ((b_lo != b_lo) & (c_lo < end)).to(tl.int32) + ((b_hi != b_hi) & (c_hi < end)).to(
         tl.int32
     )
+    ok = tl.sum(nans, 0) == 0  # counted before the search, so no mask stays live through it
     # the pads are NaNs: no step counts them
     w_lo = (b_lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
     words = w_lo | (b_hi.to(tl.int32, bitcast=True) & -65536)
@@ -91,4 +92,4 @@ def kth_bf16x2(row_ptr, start, end, K: tl.constexpr, BLOCK: tl.constexpr, EMULAT
     n_gt = _halves(_ge_bf16x2(words, b | (b << 16), True, EMULATE))
     bits = b << 16  # τ's fp32 bits; its int32 key as topk._sortable makes it
     tau = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tau, n_gt, n_ge, tl.sum(nans, 0) == 0
+    return tau, n_gt, n_ge, ok
