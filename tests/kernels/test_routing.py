@@ -119,8 +119,9 @@ def test_shape_limits_name_the_limit() -> None:
         )
     with pytest.raises(ValueError, match="k must be in"):
         check_topk(torch.randn(2, 9), torch.ones(2), 5000)
-    with pytest.raises(ValueError, match="logits must be fp32"):
-        check_topk(torch.randn(2, 9).bfloat16(), torch.ones(2), 4)
+    with pytest.raises(ValueError, match="logits must be fp32 or bf16"):
+        check_topk(torch.randn(2, 9).half(), torch.ones(2), 4)
+    check_topk(torch.randn(2, 9).bfloat16(), torch.ones(2), 4)  # bf16 logits are taken
     with pytest.raises(ValueError, match="D must be in"):
         check_sparse_attention(
             torch.randn(2, 4, 1024),
