@@ -246,7 +246,8 @@ def _select_piece(
     end = start + m
     all_ties = False
     if PACKED:
-        tau, n_gt, n_ge, ok = kth_bf16x2(row_ptr, start, end, K, BLOCK, EMULATE)
+        tau_x, n_gt, n_ge, ok = kth_bf16x2(row_ptr, start, end, K, BLOCK, EMULATE)
+        tau = _sortable(tau_x)  # τ's key, as _load_keys makes the keys
         all_ties = ok and n_ge == K  # no key == τ left out
         if not ok:
             tau, n_gt = _stream_kth(row_ptr + start, m, K, SUB, KEY_BITS)  # from memory

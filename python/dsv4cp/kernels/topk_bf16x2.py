@@ -65,9 +65,8 @@ def _bf16_bits(u):
 @triton.jit
 def kth_bf16x2(row_ptr, start, end, K: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     """Of the keys [start, end) of the row (bf16, or bf16-valued fp32; end − start in
-    (K, BLOCK]): the K-th largest as `topk._load_keys`' int32 key τ, how many keys are > τ and
-    how many ≥ τ, and ok — false when one of them is a NaN (τ and the counts are then
-    meaningless)."""
+    (K, BLOCK]): the K-th largest value τ (fp32; never −0), how many keys are > τ and how many
+    ≥ τ, and ok — false when one of them is a NaN (τ and the counts are then meaningless)."""
     HALF: tl.constexpr = BLOCK // 2
     c_lo = start + tl.arange(0, HALF)
     c_hi = c_lo + HALF
@@ -90,6 +89,4 @@ def kth_bf16x2(row_ptr, start, end, K: tl.constexpr, BLOCK: tl.constexpr, EMULAT
         n_ge = tl.where(cnt >= K, cnt, n_ge)
     b = _bf16_bits(tau_u)
     n_gt = _halves(_ge_bf16x2(words, b | (b << 16), True, EMULATE))
-    bits = b << 16  # τ's fp32 bits; its int32 key as topk._sortable makes it
-    tau = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tau, n_gt, n_ge, ok
+    return (b << 16).to(tl.float32, bitcast=True), n_gt, n_ge, ok
