@@ -36,6 +36,42 @@ _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def tile_rows(nvis_ptr, kstart_ptr, T, WIDTH, HAS_KSTART: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's output tile (BLOCK_T rows, BLOCK_N columns; program ids (column tile,
+    row block)): rows, row_ok, cols, the rows' visible counts (≤ WIDTH), their largest, the
+    block's smallest k_start (0 without) and whether every row shares it."""
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nvis = tl.minimum(tl.load(nvis_ptr + rows, mask=row_ok, other=0).to(tl.int32), WIDTH)
+    max_vis = tl.max(nvis, 0)
+    if HAS_KSTART:
+        ks = tl.load(kstart_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+        ks_lo = tl.min(tl.where(row_ok, ks, 2147483647), 0)
+        uniform = ks_lo == tl.max(tl.where(row_ok, ks, -1), 0)
+    else:
+        ks_lo = max_vis * 0
+        uniform = max_vis == max_vis
+    return rows, row_ok, cols, nvis, max_vis, ks_lo, uniform
+
+
+@triton.jit
+def store_tile(out_ptr, acc, rows, row_ok, cols, nvis, stride_ot, WIDTH, FILL: tl.constexpr):
+    """The tile's logits, -inf past each row's visible count; FILL=False: those stay unwritten
+    (for a reader that never reads them: the logits route's top-k)."""
+    visible = cols[None, :] < nvis[:, None]
+    store_ok = row_ok[:, None] & (cols < WIDTH)[None, :]
+    if not FILL:
+        store_ok = store_ok & visible
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
+        tl.where(visible, acc, float("-inf")),
+        mask=store_ok,
+    )
+
+
+@triton.jit
 def _mqa_logits_kernel(
     q_ptr,
     w_ptr,
@@ -65,25 +101,14 @@ def _mqa_logits_kernel(
     FILL: tl.constexpr,
 ):
     # Row blocks that share one k_start (all of them without k_start); the others are left to
-    # _mqa_logits_rows_kernel.
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # mqa_logits_rows_kernel.
+    rows, row_ok, cols, nvis, max_vis, ks_lo, uniform = tile_rows(
+        nvis_ptr, kstart_ptr, T, WIDTH, HAS_KSTART, BLOCK_T, BLOCK_N
+    )
     d = tl.arange(0, D)
-    nvis = tl.minimum(tl.load(nvis_ptr + rows, mask=row_ok, other=0).to(tl.int32), WIDTH)
-    max_vis = tl.max(nvis, 0)
-    if HAS_KSTART:
-        ks = tl.load(kstart_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-        ks_lo = tl.min(tl.where(row_ok, ks, 2147483647), 0)
-        uniform = ks_lo == tl.max(tl.where(row_ok, ks, -1), 0)
-    else:
-        ks_lo = 0
-        uniform = True
     if uniform:
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        if pid_n * BLOCK_N < max_vis:
+        if tl.program_id(0) * BLOCK_N < max_vis:
             key_rows = ks_lo + cols
             key_ok = (cols < max_vis) & (key_rows < N)
             kt = tl.load(
@@ -98,19 +123,11 @@ def _mqa_logits_kernel(
             acc = add_heads(acc, q_ptrs, w_ptrs, kt, row_ok, H, stride_qh, QAT, EMULATE, PACKED,
                             UPCAST, DOT_PREC, STAGES)  # fmt: skip
         acc = index_score(acc, QAT, EMULATE, PACKED)
-        visible = cols[None, :] < nvis[:, None]
-        store_ok = row_ok[:, None] & (cols < WIDTH)[None, :]
-        if not FILL:
-            store_ok = store_ok & visible  # the hidden entries stay unwritten
-        tl.store(
-            out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :],
-            tl.where(visible, acc, float("-inf")),
-            mask=store_ok,
-        )
+        store_tile(out_ptr, acc, rows, row_ok, cols, nvis, stride_ot, WIDTH, FILL)
 
 
 @triton.jit
-def _mqa_logits_rows_kernel(
+def mqa_logits_rows_kernel(
     q_ptr,
     w_ptr,
     k_ptr,
@@ -292,7 +309,7 @@ def launch_mqa_logits(
         num_stages=stages,
     )
     if k_start is not None:
-        _mqa_logits_rows_kernel[grid](
+        mqa_logits_rows_kernel[grid](
             *args,
             D=d,
             H_PAD=max(16, triton.next_power_of_2(h)),
