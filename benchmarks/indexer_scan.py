@@ -13,11 +13,13 @@ running top-k's knobs run against it too: `row_group` 2 and 8 (rows cut at once)
 `route=logits` time the plain top-k's two routes (`kernel.pick_route`: the shipped one is
 picked by width and rows) on the index source, and in qat `route=logits/unpacked` the logits
 route with its logits kernel's bf16 roundings one value per instruction (before §36);
-`route=logits/fill` that route writing -inf past each row's visible keys (before §37). `--only`
-picks variants by name.
+`route=logits/fill` that route writing -inf past each row's visible keys (before §37);
+`route=logits/bf16` in qat the route's logits on bf16 MMAs instead of int8 (before §40).
+`--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
-weights; 32 heads × 128, top-k 512, `--quant`), or with `--prefix P` that many rows after P
+weights, in qat fake-fp4 queries and keys as the layer's; 32 heads × 128, top-k 512,
+`--quant`), or with `--prefix P` that many rows after P
 cached positions (one CP rank's rows of a chunk, e.g. `--tokens 2048 --prefix 126976`);
 `--pieces 4,16` also times those width splits against the planned one: the ratio-2 index
 source (plain top-k over T/2 entries), the ratio-1 candidate source (top-k and the 2048
@@ -40,6 +42,7 @@ import torch
 
 from benchmarks.benchutil import Table, finish, time_cuda
 from dsv4cp.kernels import indexer_topk as kernel
+from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 
 # (BLOCK_T, BLOCK_N, warps, stages) tried against the shipped `kernel.DEFAULT_CONFIG`
 CONFIGS = [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)]
@@ -55,6 +58,8 @@ def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant],
     q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16()
     w = torch.randn(t, HEADS, device="cuda", generator=g) / HEADS
     k = torch.randn(prefix + t, DIM, device="cuda", generator=g).bfloat16()
+    if quant == "qat":  # the layer's index q and k are fake-fp4 values there
+        q, k = fake_quant_index_fp4(q).bfloat16(), fake_quant_index_fp4(k).bfloat16()
     pos = prefix + torch.arange(t, device="cuda")
     nv2, nv1 = ((pos + 1) // 2).to(torch.int32), (pos + 1).to(torch.int32)
     k2 = k[: (prefix + t) // 2]
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant == "qat":
         variants += [("route=logits/unpacked", {"route": "logits", "packed": False})]
     variants += [("route=logits/fill", {"route": "logits", "fill_logits": True})]
+    if args.quant == "qat":
+        variants += [("route=logits/bf16", {"route": "logits", "int8_logits": False})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.only:
         names = set(args.only.split(","))

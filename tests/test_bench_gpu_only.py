@@ -18,6 +18,7 @@ import torch
         "fp8_gemm_gluon",
         "indexer_scan",
         "layer_profile",
+        "logits_int8",
         "logits_selection",
     ],
 )

@@ -210,6 +210,32 @@ def test_logits_kernel_unpacked_rounds_one_value_per_instruction() -> None:
     assert "mul.rn.bf16x2" not in ptx and ptx.count("cvt.rn.bf16.f32") >= 64
 
 
+@pytest.mark.parametrize("k_start", [False, True])
+def test_int8_logits_kernels_compile_for_sm90(k_start: bool) -> None:
+    """The logits route's qat kernel on int8 MMAs (`indexer_logits_int8`, its shipped config):
+    s8 wgmma for the exact path, bf16 wgmma for the per-tile branch, the int32 sums made fp32
+    by the magic-number add (shipped) or by cvt; the encoding kernel for queries and keys."""
+    from dsv4cp.kernels import indexer_logits_int8 as m
+
+    block_t, block_n, warps, stages = m.DEFAULT_CONFIG
+    types = ["*i8", "*fp32", "*i8", "*i8", "*fp32", "*i8", "*bf16", "*fp32", "*bf16", "*i32"]
+    types += ["*i64" if k_start else "*i32", "*fp32"] + ["i32"] * 9
+    for cvt in (False, True):
+        const = dict(
+            HAS_KSTART=k_start, D=128, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages,
+            EMULATE=False, PACKED=True, FILL=False, CVT=cvt,
+        )  # fmt: skip
+        ptx = _compile(m._mqa_logits_int8_kernel, types, const, warps, stages)
+        wgmma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+        assert any(".s32.s8.s8" in ln for ln in wgmma), wgmma[:2]
+        assert any(".bf16.bf16" in ln for ln in wgmma), wgmma[:2]
+        assert ("cvt.rn.f32.s32" in ptx) == cvt  # "magic": the add, no conversion
+    for has_w in (False, True):
+        types = ["*bf16", "*fp32", "*i8", "*fp32", "*fp32", "*i8", "i32", "i32"]
+        const = dict(E_LIM=m.E_LIMIT, D=128, G_PAD=32, HAS_W=has_w)
+        _compile(m._encode_kernel, types, const, 4, 1)
+
+
 @pytest.mark.parametrize("bits", [16, 32])
 def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
     """`kernels/topk`'s selections (the logits route's and the candidate blocks': by slots and

@@ -311,6 +311,12 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             ops_chunks.LOGITS_BUDGET_BYTES = budget
         qat = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
         equal(kern.launch_mqa_topk(q, w, k, nv, 8, quant="qat", route="logits")[0], qat, "qat")
+        qb, kb = q.bfloat16(), k.bfloat16()  # small integers: int8-exact (indexer_logits_int8)
+        for kk, width in ((None, None), (ks, 96)):
+            got = kern.launch_mqa_topk(qb, w, kb, nv, 8, quant="qat", route="logits",
+                                       int8_logits=True, k_start=kk, width=width)[0]  # fmt: skip
+            want = ops.mqa_topk(qb, w, kb, nv, 8, quant="qat", k_start=kk, width=width)
+            equal(got, want, f"qat on int8 MMAs, k_start={kk is not None}")
         # The route leaves the logits past n_visible unwritten (fill=False): the visible ones are
         # fill=True's, and the selection never reads the others (+inf there changes nothing).
         from dsv4cp.kernels.indexer_logits import launch_mqa_logits

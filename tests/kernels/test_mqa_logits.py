@@ -134,3 +134,30 @@ def test_qat_packed_equals_unpacked_on_random_inputs() -> None:
     unpacked = launch_mqa_logits(q, w, k, nv, quant="qat", packed=False)
     assert torch.equal(packed, unpacked)
     assert torch.isfinite(packed).any() and torch.isinf(packed).any()
+
+
+@pytest.mark.parametrize("k_start", [False, True])
+def test_qat_int8_equals_bf16_kernel(k_start: bool) -> None:
+    """The int8-MMA qat kernel (`indexer_logits_int8`) forms the bf16 qat kernel's logits bit
+    for bit on fake-fp4 inputs at Flash's index dims, the twin's too; a key and a query row the
+    encoding cannot hold exactly (a block 2^9 below the vector's largest, a head 2^-40 small)
+    take the per-tile bf16 branch and still agree."""
+    from dsv4cp.kernels.indexer_logits import launch_mqa_logits
+    from dsv4cp.kernels.indexer_logits_int8 import encode_int8, launch_mqa_logits_int8
+
+    t, h, d, n = 700, 32, 128, 5000
+    q, w, k = _inputs(t, h, d, n, seed=8)
+    q, k = fake_quant_index_fp4(q).bfloat16(), fake_quant_index_fp4(k).bfloat16()
+    k[9, 32:64] *= 2.0**-9
+    q[300, 4] *= 2.0**-40
+    assert encode_int8(k)[2][9] == 0 and encode_int8(q, w)[2][300] == 0
+    assert encode_int8(k)[2].sum() == n - 1
+    ks = torch.full((t,), 700, device="cuda")
+    if k_start:
+        ks[350:] = 1500  # mixed blocks go to the bf16 per-row kernel
+    nv = torch.minimum(torch.randint(0, 3000, (t,), device="cuda"), n - ks)
+    want = launch_mqa_logits(q, w, k, nv, k_start=ks, width=3000, quant="qat")
+    got = launch_mqa_logits_int8(q, w, k, nv, k_start=ks, width=3000)
+    assert torch.equal(got, want)
+    assert torch.equal(got, ops.mqa_logits(q, w, k, nv, k_start=ks, width=3000, quant="qat"))
+    assert torch.isfinite(got).sum() > t * 500

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
+from dsv4cp.kernels.indexer_logits_int8 import encode_int8, launch_mqa_logits_int8
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
 from dsv4cp.kernels.indexer_topk_plan import plan_gather, plan_pieces, plan_seed
@@ -59,6 +60,7 @@ LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, th
 # the logits route won 1.10–1.32× at 1 row per 0.5–4 keys, the scan at 1 per 16 and more)
 LOGITS_ROUTE_KEYS_PER_ROW = 4
 TOPK_ROUTES = ("auto", "scan", "logits")
+LOGITS_INT8 = True  # the logits route's qat logits on int8 MMAs (indexer_logits_int8)
 SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
@@ -112,6 +114,7 @@ def launch_mqa_topk(
     key_bits: int | None = None,
     packed: bool = True,
     fill_logits: bool = False,
+    int8_logits: bool | None = None,
     route: str = "scan",
     seed_stride: int | None = None,
     seed_rank: int | None = None,
@@ -133,7 +136,8 @@ def launch_mqa_topk(
     `packed`: qat's bf16 steps two values per inline-PTX block (`index_score`, GPU only; the
     same bits as `packed=False`, which rounds one value at a time). `fill_logits`: the logits
     route writes -inf to the logits its selection never reads (j ≥ n_visible; before §37 it
-    did; the same selection). `route`: "scan" (the fused
+    did; the same selection). `int8_logits`: the logits route's qat logits on int8 MMAs
+    (`indexer_logits_int8`, the same logits; None: LOGITS_INT8). `route`: "scan" (the fused
     kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
     the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
     `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
@@ -181,8 +185,20 @@ def launch_mqa_topk(
             blocks_out.fill_(-1)
         return out, blocks_out
     if use_logits:
+        int8 = LOGITS_INT8 if int8_logits is None else int8_logits
         return logits_then_topk(
-            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits, packed, fill_logits
+            q,
+            weights,
+            k,
+            n_visible,
+            k_top,
+            k_start,
+            width,
+            quant,
+            key_bits,
+            packed,
+            fill_logits,
+            int8,
         ), None
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -324,15 +340,22 @@ def logits_then_topk(
     key_bits: int = 32,
     packed: bool = True,
     fill: bool = False,
+    int8: bool = False,
 ) -> Tensor:
     """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
     row chunks), with the kernels: `mqa_logits` (`packed`, `fill` as `launch_mqa_logits`: the
-    selection reads only j < n_visible, so by default those past it stay unwritten), then
-    `topk_indices` (its search over `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
+    selection reads only j < n_visible, so by default those past it stay unwritten; `int8`:
+    qat's bf16 q and k on int8 MMAs, `indexer_logits_int8`, k encoded once for every chunk),
+    then `topk_indices` (its search over `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
+    if int8 and quant == "qat" and q.dtype == torch.bfloat16:
+        logits_fn = partial(launch_mqa_logits_int8, k_encoded=encode_int8(k), packed=packed,
+                            fill=fill)  # fmt: skip
+    else:
+        logits_fn = partial(launch_mqa_logits, packed=packed, fill=fill)
     (out,) = in_row_chunks(
         q, weights, k, n_visible, k_start, width,
         lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top, key_bits=key_bits)],
-        quant, logits_fn=partial(launch_mqa_logits, packed=packed, fill=fill),
+        quant, logits_fn=logits_fn,
     )  # fmt: skip
     return out
 

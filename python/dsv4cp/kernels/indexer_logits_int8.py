@@ -1,0 +1,220 @@
+"""qat index logits on int8 tensor cores: the logits route's `mqa_logits` at twice the bf16 rate.
+
+qat's index q and k are fake-fp4 values with power-of-two block scales
+(`ops.attention_quant.fake_quant_index_fp4`), so each D-vector is n · 2^E with integers |n| ≤ 127
+wherever its amax sets E = ⌊log2 amax⌋ − 6 and no smaller value falls between those steps
+(`encode_int8`: a block scale at most 2^3 below the vector's largest, for fp4's two significant
+bits). Then a head's dot is 2^(Eq+Ek) · S with S = Σ nq·nk an exact int32 (|S| ≤ 128·127² <
+2^21, exact in fp32), and every step of the qat score commutes with the powers of two while
+the numbers stay normal: bf16(relu(bf16(s))·bf16(w)) = 2^Ek · bf16(relu(bf16(S))·w′) with
+w′ = bf16(w)·2^Eq (exact), the fp32 head sum and its bf16 rounding scale by 2^Ek as well. So
+the kernel forms the same bits as `indexer_logits`'s qat kernel from int8 MMAs: S to fp32
+(`convert`: "magic", the shipped one, adds S to 1.5·2^23's bits and subtracts 1.5·2^23 — ptxas
+starts the MMA's accumulator at that constant, so one move and one FADD a logit; "cvt" is
+`cvt.rn.f32.s32`, which ptxas lowers to one I2FP.F32.S32 a logit, not yet timed), the packed
+qat steps on w′, and one multiply by 2^Ek per column at the end.
+
+`encode_int8` marks a vector usable (`ok`) only where the identity is exact: E in [−30, 30]
+and, for a query row, every nonzero head weight in [2^−30, 2^30] (then no true step is
+subnormal or overflows). A row block × key tile with any vector not usable is formed by the
+bf16 kernel's steps from the bf16 operands in the same launch (the per-tile branch), so the
+result is `indexer_logits.launch_mqa_logits(quant="qat")`'s for every input.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels.index_score import add_heads, head_term, index_score
+from dsv4cp.kernels.indexer_logits import (
+    check_mqa_logits,
+    mqa_logits_rows_kernel,
+    store_tile,
+    tile_rows,
+)
+from dsv4cp.ops.quant import QuantMode, check_quant_mode
+
+E_LIMIT = 30  # |E| and |log2 w| bound for the exact identity (module docstring)
+DEFAULT_CONFIG = (64, 128, 4, 3)  # (BLOCK_T, BLOCK_N, num_warps, num_stages)
+
+
+@triton.jit
+def _encode_kernel(
+    x_ptr, w_ptr, codes_ptr, scale_ptr, w2_ptr, ok_ptr, V, G, E_LIM: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, HAS_W: tl.constexpr,
+):  # fmt: skip
+    # One program: one group of G vectors (a query row's heads, or one key): codes, 2^E, ok.
+    v = tl.program_id(0)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    g_ok = g < G
+    base = v.to(tl.int64) * G * D
+    x = tl.load(x_ptr + base + g[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # inf/NaN: 255, zero: 0
+    e = tl.where(amax > 0, biased - 127 - 6, 0)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-E, normal for |E| ≤ E_LIM
+    n = x * inv[:, None]
+    finite = tl.sum((x != x).to(tl.int32), 1) == 0  # max and abs let NaN through
+    good = (tl.abs(e) <= E_LIM) & finite & (biased < 255)
+    good = good & (tl.max(tl.abs(n - n.to(tl.int32).to(tl.float32)), 1) == 0)
+    scale = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    codes = tl.where(good[:, None], n, 0.0).to(tl.int8)
+    tl.store(codes_ptr + base + g[:, None] * D + d[None, :], codes, mask=g_ok[:, None])
+    if HAS_W:
+        wb = tl.load(w_ptr + v.to(tl.int64) * G + g, mask=g_ok, other=0.0)  # bf16-valued
+        wm = tl.abs(wb)
+        w_good = (wm == 0) | ((wm >= 2.0**-E_LIM) & (wm <= 2.0**E_LIM))
+        good = good & w_good
+        tl.store(w2_ptr + v.to(tl.int64) * G + g, wb * scale, mask=g_ok)
+    else:
+        tl.store(scale_ptr + v.to(tl.int64) * G + g, scale, mask=g_ok)
+    all_good = tl.min(tl.where(g_ok, good, 1).to(tl.int32), 0)
+    tl.store(ok_ptr + v, all_good.to(tl.int8))
+
+
+def encode_int8(x: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """x [V, G, D] (query rows × heads) or [V, D] (keys), fake-fp4-valued: (int8 codes like x,
+    then for a query the weights bf16(w)·2^Eq [V, G] fp32 (`weights` [V, G], rounded to bf16
+    here) else the keys'
+    2^Ek [V] fp32, and ok [V] int8: 1 where every vector of the group is exact as n · 2^E)."""
+    grouped = x.dim() == 3
+    v, g, d = x.shape if grouped else (x.shape[0], 1, x.shape[1])
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    ok = torch.empty((v,), dtype=torch.int8, device=x.device)
+    side = torch.empty((v, g) if weights is not None else (v,), dtype=torch.float32,
+                       device=x.device)  # fmt: skip
+    if v:
+        w = side if weights is None else weights.to(torch.bfloat16).float().contiguous()
+        _encode_kernel[(v,)](
+            x, w, codes, side, side, ok, v, g, E_LIM=E_LIMIT, D=d,
+            G_PAD=max(2, triton.next_power_of_2(g)), HAS_W=weights is not None,
+        )  # fmt: skip
+    return codes, side, ok
+
+
+CONVERTS = ("magic", "cvt")
+
+
+@triton.jit
+def _as_fp32(s, CVT: tl.constexpr):
+    """An int32 |s| < 2^22 as fp32, exactly: 1.5·2^23's bits plus s, less 1.5·2^23; CVT: the
+    conversion instruction."""
+    if CVT:
+        return s.to(tl.float32)
+    else:
+        return (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _mqa_logits_int8_kernel(
+    q8_ptr, w2_ptr, qok_ptr, k8_ptr, kscale_ptr, kok_ptr, q_ptr, w_ptr, k_ptr, nvis_ptr,
+    kstart_ptr, out_ptr, T, H, N, WIDTH, stride_qt, stride_qh, stride_wt, stride_kn,
+    stride_ot, HAS_KSTART: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr, PACKED: tl.constexpr,
+    FILL: tl.constexpr, CVT: tl.constexpr,
+):  # fmt: skip
+    # Row blocks that share one k_start (all of them without k_start), as indexer_logits's
+    # tile kernel; the others are left to its per-row kernel.
+    rows, row_ok, cols, nvis, max_vis, ks_lo, uniform = tile_rows(
+        nvis_ptr, kstart_ptr, T, WIDTH, HAS_KSTART, BLOCK_T, BLOCK_N
+    )
+    d = tl.arange(0, D)
+    key_rows = ks_lo + cols
+    key_ok = (cols < max_vis) & (key_rows < N)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    col_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    if uniform & (tl.program_id(0) * BLOCK_N < max_vis):
+        q_exact = tl.min(tl.load(qok_ptr + rows, mask=row_ok, other=1).to(tl.int32), 0)
+        k_exact = tl.min(tl.load(kok_ptr + key_rows, mask=key_ok, other=1).to(tl.int32), 0)
+        k_off = key_rows[None, :].to(tl.int64) * stride_kn + d[:, None]
+        q_off = rows[:, None].to(tl.int64) * stride_qt + d[None, :]
+        w_off = rows.to(tl.int64) * stride_wt
+        if (q_exact == 1) & (k_exact == 1):
+            k8 = tl.load(k8_ptr + k_off, mask=key_ok[None, :], other=0)
+            col_scale = tl.load(kscale_ptr + key_rows, mask=key_ok, other=1.0)
+            q_ptrs = q8_ptr + q_off
+            w_ptrs = w2_ptr + w_off
+            for _ in tl.range(0, H, num_stages=STAGES):
+                q8 = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
+                wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
+                s = tl.dot(q8, k8, out_dtype=tl.int32)
+                acc += head_term(_as_fp32(s, CVT), wh[:, None], True, EMULATE, PACKED)
+                q_ptrs += stride_qh
+                w_ptrs += 1
+        else:  # the bf16 kernel's steps (indexer_logits, qat)
+            kt = tl.load(k_ptr + k_off, mask=key_ok[None, :], other=0.0)
+            if EMULATE:
+                kt = kt.to(tl.float32)
+            acc = add_heads(acc, q_ptr + q_off, w_ptr + w_off, kt, row_ok, H, stride_qh, True,
+                            EMULATE, PACKED, EMULATE, "tf32", STAGES)  # fmt: skip
+    if uniform:
+        acc = index_score(acc, True, EMULATE, PACKED) * col_scale[None, :]
+        store_tile(out_ptr, acc, rows, row_ok, cols, nvis, stride_ot, WIDTH, FILL)
+
+
+def launch_mqa_logits_int8(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    *,
+    k_start: Tensor | None = None,
+    width: int | None = None,
+    quant: QuantMode = "qat",
+    k_encoded: tuple[Tensor, Tensor, Tensor] | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    packed: bool = True,
+    fill: bool = True,
+    convert: str = "magic",
+) -> Tensor:
+    """`indexer_logits.launch_mqa_logits(quant="qat")` on int8 MMAs: the same fp32
+    [T, width]. `k_encoded`: encode_int8(k), made once for several row chunks of the same k
+    (the route's), else made here; q's is made here. Row blocks that do not share one
+    k_start go to indexer_logits's per-row kernel (bf16). `fill` as launch_mqa_logits;
+    `convert`: how the int32 sums become fp32 (module docstring; the same values)."""
+    check_mqa_logits(q, weights, k, n_visible)
+    if convert not in CONVERTS:
+        raise ValueError(f"mqa_logits int8: convert must be one of {CONVERTS}, got {convert!r}")
+    if check_quant_mode(quant) != "qat":
+        raise ValueError(f"mqa_logits int8: qat only (fake-fp4 q and k), got quant={quant!r}")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"mqa_logits int8: q and k must be bf16 (fake-fp4 values), got {q.dtype}")
+    t, h, d = q.shape
+    n = k.shape[0]
+    width = n if width is None else int(width)
+    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out
+    if k_start is not None and k_start.shape != (t,):
+        raise ValueError(f"mqa_logits: k_start must be [{t}], got {tuple(k_start.shape)}")
+    q = q.contiguous()
+    k = k.contiguous()
+    wb = weights.to(torch.bfloat16).float().contiguous()
+    q8, w2, qok = encode_int8(q, weights)
+    k8, kscale, kok = k_encoded or encode_int8(k)
+    n_visible = n_visible.contiguous()
+    ks = n_visible if k_start is None else k_start.contiguous()
+    block_t, block_n, warps, stages = config or DEFAULT_CONFIG
+    grid = (triton.cdiv(width, block_n), triton.cdiv(t, block_t))
+    strides = (q.stride(0), q.stride(1), wb.stride(0), k.stride(0), out.stride(0))
+    _mqa_logits_int8_kernel[grid](
+        q8, w2, qok, k8, kscale, kok, q, wb, k, n_visible, ks, out, t, h, n, width, *strides,
+        HAS_KSTART=k_start is not None, D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages,
+        EMULATE=interpreting(), PACKED=packed and q.is_cuda, FILL=fill, CVT=convert == "cvt",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if k_start is not None:
+        mqa_logits_rows_kernel[grid](
+            q, wb, k, n_visible, ks, out, t, h, n, width, *strides, D=d,
+            H_PAD=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t, BLOCK_N=block_n,
+            UPCAST=interpreting(), DOT_PREC="tf32", QAT=True, EMULATE=interpreting(),
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return out
