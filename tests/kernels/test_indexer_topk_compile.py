@@ -239,14 +239,15 @@ def test_int8_logits_kernels_compile_for_sm90(k_start: bool) -> None:
 @pytest.mark.parametrize("bits", [16, 32])
 def test_topk_selection_kernels_compile_for_sm90(bits: int) -> None:
     """`kernels/topk`'s selections (the logits route's and the candidate blocks': by slots and
-    by streaming), both searches."""
+    by streaming, `topk_stream`), both searches."""
     from dsv4cp.kernels import topk as m
+    from dsv4cp.kernels import topk_stream
 
     ptrs = ["*fp32", "*i32", "*i32"]
     piece = dict(K=512, BLOCK=16384, KEY_BITS=bits)  # merge="stream"
-    _compile(m._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
+    _compile(topk_stream._piece_kth_kernel, ptrs + ["i32"] * 3, piece, 8, 1)
     cand = dict(K=512, OUT_BLOCK=512, P_BLOCK=16, STREAM_BLOCK=4096, CAP=4096, KEY_BITS=bits)
-    _compile(m._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)
+    _compile(topk_stream._topk_candidates_kernel, ptrs + ["*i32"] * 3 + ["i32"] * 4, cand, 4, 1)
     for block in (4096, 8192):  # merge="slots"; 16-bit keys: the bf16-pair search, as launched
         sel = dict(K=512, OUT_BLOCK=512, BLOCK=block, SUB=2048, KEY_BITS=bits)
         sel |= dict(PACKED=bits == 16, EMULATE=False)

@@ -17,7 +17,7 @@ from torch import Tensor
 from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.index_score import head_term, index_score
 from dsv4cp.kernels.running_topk import cut_rows
-from dsv4cp.kernels.topk import _sortable
+from dsv4cp.kernels.topk_common import _sortable
 
 
 @triton.jit

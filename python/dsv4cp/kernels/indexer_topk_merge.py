@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels.topk import _kth_key, _store_prefix, _store_selection
+from dsv4cp.kernels.topk_common import _kth_key, _store_prefix, _store_selection
 
 
 @triton.jit

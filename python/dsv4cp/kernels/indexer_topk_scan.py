@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dsv4cp.kernels.index_score import add_heads, index_score
 from dsv4cp.kernels.running_topk import cut_block
-from dsv4cp.kernels.topk import _sortable
+from dsv4cp.kernels.topk_common import _sortable
 
 
 @triton.jit

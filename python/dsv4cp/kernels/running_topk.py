@@ -1,14 +1,14 @@
 """The running top-k buffer of the fused indexer kernels: cut a row's buffer to its exact top K.
 
-Each row keeps its running selection in a small buffer of CAP (order-preserving int32 key,
-column) pairs in column order (`kernels.topk._sortable` makes the keys). A column enters when its
-key beats the row's threshold τ, the K-th largest key seen so far (INT_MIN until the row has seen
-K). When a buffer is nearly full it is cut to exactly its top K by (key desc, column asc): a
-bitwise search over the keys (`kth_rows`, vectorised over rows; `kernels/topk.py` runs it on one
-row for its selections and the pieces' merge), then a stable
-compaction (`cut_rows`); τ rises. A later column enters only if its key is > τ: on a tie it loses
-to the K buffered keys, which all have smaller columns. After the last column the buffer is the
-exact top K in the total order of `ops.indexer._pick_topk` (value, then the smaller index).
+Each row keeps its running selection in a small buffer of CAP (order-preserving int32 key, column)
+pairs in column order (`kernels.topk_common._sortable` makes the keys). A column enters when its key
+beats the row's threshold τ, the K-th largest key seen so far (INT_MIN until the row has seen K).
+When a buffer is nearly full it is cut to exactly its top K by (key desc, column asc): a bitwise
+search over the keys (`kth_rows`, vectorised over rows; `kernels/topk.py` runs it on one row for its
+selections and the pieces' merge), then a stable compaction (`cut_rows`); τ rises. A later column
+enters only if its key is > τ: on a tie it loses to the K buffered keys, which all have smaller
+columns. After the last column the buffer is the exact top K in the total order of
+`ops.indexer._pick_topk` (value, then the smaller index).
 
 KEY_BITS: how many high key bits the search walks. 32 always works. With 16, every key must be
 the sortable image of a bf16 value (the `qat` index scores, rounded to bf16): its low 16 bits
