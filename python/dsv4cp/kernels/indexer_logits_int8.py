@@ -79,10 +79,10 @@ def _encode_kernel(
 
 
 def encode_int8(x: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """x [V, G, D] (query rows × heads) or [V, D] (keys), fake-fp4-valued: (int8 codes like x,
-    then for a query the weights bf16(w)·2^Eq [V, G] fp32 (`weights` [V, G], rounded to bf16
-    here) else the keys'
-    2^Ek [V] fp32, and ok [V] int8: 1 where every vector of the group is exact as n · 2^E)."""
+    """x [V, G, D] (query rows × heads) or [V, D] (keys), fake-fp4-valued: (int8 codes like x;
+    for a query the weights bf16(w)·2^Eq [V, G] fp32 (`weights` [V, G], rounded to bf16 here),
+    for keys 2^Ek [V] fp32; ok [V] int8: 1 where every vector of the group is n · 2^E exactly
+    and, for a query, its head weights are in range)."""
     grouped = x.dim() == 3
     v, g, d = x.shape if grouped else (x.shape[0], 1, x.shape[1])
     x = x.contiguous()

@@ -187,19 +187,9 @@ def launch_mqa_topk(
     if use_logits:
         int8 = LOGITS_INT8 if int8_logits is None else int8_logits
         return logits_then_topk(
-            q,
-            weights,
-            k,
-            n_visible,
-            k_top,
-            k_start,
-            width,
-            quant,
-            key_bits,
-            packed,
-            fill_logits,
-            int8,
-        ), None
+            q, weights, k, n_visible, k_top, k_start, width, quant, key_bits, packed,
+            fill_logits, int8,
+        ), None  # fmt: skip
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(1) != 1:
