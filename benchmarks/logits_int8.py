@@ -6,7 +6,8 @@ baseline's bit for bit (it must: the int8 path is exact). `--tokens` as `T@P`: T
 positions P … P + T − 1 over (P + T) / 2 keys, fake-fp4 q and k (`fake_quant_index_fp4` of
 random normals, as the layer's qat index vectors), fp32 head weights, 32 heads × 128,
 n_visible (pos + 1) // 2; `fill=False` as the route launches it. `int8 cvt`: the shipped
-config with the sums made fp32 by `cvt.rn.f32.s32` instead of the magic-number add.
+config with the sums made fp32 by `cvt.rn.f32.s32` instead of the magic-number add;
+`maxnreg=168`: 2 stages with ptxas's register cap at 168 (3 programs an SM, 84 B spilled).
 
     PYTHONPATH=python python -m benchmarks.logits_int8 --tokens 65536@0 --out out/logits_int8.json
 """
@@ -27,7 +28,12 @@ from dsv4cp.ops.indexer_topk import row_chunks
 
 HEADS, DIM = 32, 128
 CONFIGS = [DEFAULT_CONFIG, (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3)]
-VARIANTS = [(f"int8 {g}", g, "magic") for g in CONFIGS] + [("int8 cvt", DEFAULT_CONFIG, "cvt")]
+VARIANTS: list[tuple[str, tuple[int, int, int, int], dict[str, Any]]] = [
+    *[(f"int8 {g}", g, {}) for g in CONFIGS],
+    ("int8 cvt", DEFAULT_CONFIG, {"convert": "cvt"}),
+    ("int8 (64, 128, 4, 2) maxnreg=168", (64, 128, 4, 2), {"maxnreg": 168}),
+    ("int8 (64, 128, 4, 2) cvt maxnreg=168", (64, 128, 4, 2), {"convert": "cvt", "maxnreg": 168}),
+]
 
 
 def _case(t: int, prefix: int) -> dict[str, Any]:
@@ -49,11 +55,13 @@ def _bf16(c: dict[str, Any]) -> list[torch.Tensor]:
     ]
 
 
-def _int8(c: dict[str, Any], config: tuple[int, int, int, int], cvt: str) -> list[torch.Tensor]:
+def _int8(
+    c: dict[str, Any], config: tuple[int, int, int, int], knobs: dict[str, Any]
+) -> list[torch.Tensor]:
     k_enc = encode_int8(c["k"])  # once per pass, as the route does; q's per chunk
     kw: dict[str, Any] = dict(width=c["width"], fill=False, k_encoded=k_enc, config=config)
     return [
-        launch_mqa_logits_int8(c["q"][r], c["w"][r], c["k"], c["nv"][r], convert=cvt, **kw)
+        launch_mqa_logits_int8(c["q"][r], c["w"][r], c["k"], c["nv"][r], **kw, **knobs)
         for r in c["rows"]
     ]
 
@@ -75,12 +83,13 @@ def _measure(c: dict[str, Any], t: int, prefix: int, iters: int) -> list[dict[st
     enc = time_cuda(lambda: (encode_int8(c["q"], c["w"]), encode_int8(c["k"])), warmup=1,
                     iters=iters)["median_ms"]  # fmt: skip
     rows = []
-    for name, cfg, cvt in [("bf16 (baseline)", None, "")] + VARIANTS:
+    for name, cfg, knobs in [("bf16 (baseline)", None, {})] + VARIANTS:
         if cfg is None:
             ms, equal = base, True
         else:
-            equal = _visible_equal(c, _int8(c, cfg, cvt), want)
-            ms = time_cuda(lambda g=cfg, v=cvt: _int8(c, g, v), warmup=1, iters=iters)["median_ms"]
+            equal = _visible_equal(c, _int8(c, cfg, knobs), want)
+            ms = time_cuda(lambda g=cfg, v=knobs: _int8(c, g, v), warmup=1, iters=iters)
+            ms = ms["median_ms"]
         rows.append({
             "tokens": t,
             "prefix": prefix,

@@ -96,7 +96,8 @@ def _cases() -> dict[str, object]:
         for fill in (True, False):
             want = launch_mqa_logits(q, w, k, nv, quant="qat", config=CFG, fill=fill)
             got = launch_mqa_logits_int8(q, w, k, nv, config=CFG, fill=fill)
-            cvt = launch_mqa_logits_int8(q, w, k, nv, config=CFG, fill=fill, convert="cvt")
+            cvt = launch_mqa_logits_int8(q, w, k, nv, config=CFG, fill=fill, convert="cvt",
+                                         maxnreg=168)  # fmt: skip
             seen = torch.arange(150)[None, :] < nv[:, None]
             if fill:
                 same(got, want, "fill")

@@ -173,12 +173,15 @@ def launch_mqa_logits_int8(
     packed: bool = True,
     fill: bool = True,
     convert: str = "magic",
+    maxnreg: int | None = None,
 ) -> Tensor:
     """`indexer_logits.launch_mqa_logits(quant="qat")` on int8 MMAs: the same fp32
     [T, width]. `k_encoded`: encode_int8(k), made once for several row chunks of the same k
     (the route's), else made here; q's is made here. Row blocks that do not share one
     k_start go to indexer_logits's per-row kernel (bf16). `fill` as launch_mqa_logits;
-    `convert`: how the int32 sums become fp32 (module docstring; the same values)."""
+    `convert`: how the int32 sums become fp32 (module docstring; the same values); `maxnreg`:
+    ptxas's register cap for the tile kernel (benchmarks: 168 lets 3 programs share an SM at
+    2 stages, with 84 B spilled; not timed)."""
     check_mqa_logits(q, weights, k, n_visible)
     if convert not in CONVERTS:
         raise ValueError(f"mqa_logits int8: convert must be one of {CONVERTS}, got {convert!r}")
@@ -208,7 +211,7 @@ def launch_mqa_logits_int8(
         q8, w2, qok, k8, kscale, kok, q, wb, k, n_visible, ks, out, t, h, n, width, *strides,
         HAS_KSTART=k_start is not None, D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages,
         EMULATE=interpreting(), PACKED=packed and q.is_cuda, FILL=fill, CVT=convert == "cvt",
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if k_start is not None:
         mqa_logits_rows_kernel[grid](
