@@ -232,7 +232,7 @@ def test_int8_logits_kernels_compile_for_sm90(k_start: bool) -> None:
         assert ("cvt.rn.f32.s32" in ptx) == cvt  # "magic": the add, no conversion
     for has_w in (False, True):
         types = ["*bf16", "*fp32", "*i8", "*fp32", "*fp32", "*i8", "i32", "i32"]
-        const = dict(E_LIM=m.E_LIMIT, D=128, G_PAD=32, HAS_W=has_w)
+        const = dict(E_LIM=m.E_LIMIT, D=128, G_PAD=32, HAS_W=has_w, EMULATE=False)
         _compile(m._encode_kernel, types, const, 4, 1)
 
 

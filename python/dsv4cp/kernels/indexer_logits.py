@@ -20,6 +20,8 @@ packed bf16 steps (`index_score`: two values per inline-PTX block on the GPU, th
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import triton
 import triton.language as tl
@@ -254,43 +256,12 @@ def launch_mqa_logits(
     -inf (for a reader that never reads them: the logits route's top-k)."""
     check_mqa_logits(q, weights, k, n_visible)
     qat = check_quant_mode(quant) == "qat"
-    t, h, d = q.shape
-    n = k.shape[0]
-    width = n if width is None else int(width)
-    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
-    if t == 0 or width == 0:
+    out, args = logits_launch_args(q, weights, k, n_visible, k_start, width, qat)
+    if not out.numel():
         return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(1) != 1:
-        k = k.contiguous()
-    weights = weights.to(torch.bfloat16).float() if qat else weights.float()
-    if weights.stride(1) != 1:
-        weights = weights.contiguous()
-    n_visible = n_visible.contiguous()
-    if k_start is not None:
-        if k_start.shape != (t,):
-            raise ValueError(f"mqa_logits: k_start must be [{t}], got {tuple(k_start.shape)}")
-        k_start = k_start.contiguous()
+    d = q.shape[2]
     block_t, block_n, warps, stages = config or DEFAULT_CONFIG
-    grid = (triton.cdiv(width, block_n), triton.cdiv(t, block_t))
-    args = (
-        q,
-        weights,
-        k,
-        n_visible,
-        n_visible if k_start is None else k_start,
-        out,
-        t,
-        h,
-        n,
-        width,
-        q.stride(0),
-        q.stride(1),
-        weights.stride(0),
-        k.stride(0),
-        out.stride(0),
-    )
+    grid = (triton.cdiv(out.shape[1], block_n), triton.cdiv(out.shape[0], block_t))
     flags = dot_flags(q.dtype)
     dots = {"UPCAST": flags["UPCAST"], "DOT_PREC": flags["DOT_PREC"]}  # these kernels: no RNE
     _mqa_logits_kernel[grid](
@@ -309,16 +280,62 @@ def launch_mqa_logits(
         num_stages=stages,
     )
     if k_start is not None:
-        mqa_logits_rows_kernel[grid](
-            *args,
-            D=d,
-            H_PAD=max(16, triton.next_power_of_2(h)),
-            BLOCK_T=block_t,
-            BLOCK_N=block_n,
-            **dots,
-            QAT=qat,
-            EMULATE=interpreting(),
-            num_warps=4,
-            num_stages=1,
-        )
+        launch_mixed_rows(args, grid, block_t, block_n, qat)
     return out
+
+
+def logits_launch_args(
+    q: Tensor,
+    weights: Tensor,
+    k: Tensor,
+    n_visible: Tensor,
+    k_start: Tensor | None,
+    width: int | None,
+    qat: bool,
+) -> tuple[Tensor, tuple[object, ...]]:
+    """The tile kernels' output, fp32 [T, width] (empty: nothing to launch), and their common
+    arguments: q, the weights (fp32, bf16-rounded in qat), k, n_visible, k_start (n_visible
+    without), out, T, H, N, width and the strides, each operand unit-stride in its last dim."""
+    t, h, _ = q.shape
+    n = k.shape[0]
+    width = n if width is None else int(width)
+    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out, ()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    weights = weights.to(torch.bfloat16).float() if qat else weights.float()
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    n_visible = n_visible.contiguous()
+    if k_start is not None:
+        if k_start.shape != (t,):
+            raise ValueError(f"mqa_logits: k_start must be [{t}], got {tuple(k_start.shape)}")
+        k_start = k_start.contiguous()
+    ks = n_visible if k_start is None else k_start
+    strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0))
+    return out, (q, weights, k, n_visible, ks, out, t, h, n, width, *strides)
+
+
+def launch_mixed_rows(
+    args: tuple[object, ...], grid: tuple[int, int], block_t: int, block_n: int, qat: bool
+) -> None:
+    """The row blocks whose rows do not share one k_start (`logits_launch_args`' arguments,
+    the tile kernel's grid): `mqa_logits_rows_kernel`, all heads of one row in one product."""
+    q = cast(Tensor, args[0])
+    flags = dot_flags(q.dtype)
+    mqa_logits_rows_kernel[grid](
+        *args,
+        D=q.shape[2],
+        H_PAD=max(16, triton.next_power_of_2(q.shape[1])),
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        UPCAST=flags["UPCAST"],
+        DOT_PREC=flags["DOT_PREC"],
+        QAT=qat,
+        EMULATE=interpreting(),
+        num_warps=4,
+        num_stages=1,
+    )

@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4cp.kernels._triton import interpreting
+from dsv4cp.kernels._triton import interpreting, to_dtype
 from dsv4cp.kernels.index_score import add_heads, head_term, index_score
 from dsv4cp.kernels.indexer_logits import (
     check_mqa_logits,
-    mqa_logits_rows_kernel,
+    launch_mixed_rows,
+    logits_launch_args,
     store_tile,
     tile_rows,
 )
@@ -45,7 +46,7 @@ DEFAULT_CONFIG = (64, 128, 4, 3)  # (BLOCK_T, BLOCK_N, num_warps, num_stages)
 @triton.jit
 def _encode_kernel(
     x_ptr, w_ptr, codes_ptr, scale_ptr, w2_ptr, ok_ptr, V, G, E_LIM: tl.constexpr,
-    D: tl.constexpr, G_PAD: tl.constexpr, HAS_W: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, HAS_W: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     # One program: one group of G vectors (a query row's heads, or one key): codes, 2^E, ok.
     v = tl.program_id(0)
@@ -67,7 +68,8 @@ def _encode_kernel(
     codes = tl.where(good[:, None], n, 0.0).to(tl.int8)
     tl.store(codes_ptr + base + g[:, None] * D + d[None, :], codes, mask=g_ok[:, None])
     if HAS_W:
-        wb = tl.load(w_ptr + v.to(tl.int64) * G + g, mask=g_ok, other=0.0)  # bf16-valued
+        wb = tl.load(w_ptr + v.to(tl.int64) * G + g, mask=g_ok, other=0.0)
+        wb = to_dtype(wb, tl.bfloat16, EMULATE).to(tl.float32)
         wm = tl.abs(wb)
         w_good = (wm == 0) | ((wm >= 2.0**-E_LIM) & (wm <= 2.0**E_LIM))
         good = good & w_good
@@ -91,10 +93,11 @@ def encode_int8(x: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tenso
     side = torch.empty((v, g) if weights is not None else (v,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
     if v:
-        w = side if weights is None else weights.to(torch.bfloat16).float().contiguous()
+        w = side if weights is None else weights.float().contiguous()
         _encode_kernel[(v,)](
             x, w, codes, side, side, ok, v, g, E_LIM=E_LIMIT, D=d,
             G_PAD=max(2, triton.next_power_of_2(g)), HAS_W=weights is not None,
+            EMULATE=interpreting(),
         )  # fmt: skip
     return codes, side, ok
 
@@ -189,35 +192,19 @@ def launch_mqa_logits_int8(
         raise ValueError(f"mqa_logits int8: qat only (fake-fp4 q and k), got quant={quant!r}")
     if q.dtype != torch.bfloat16:
         raise ValueError(f"mqa_logits int8: q and k must be bf16 (fake-fp4 values), got {q.dtype}")
-    t, h, d = q.shape
-    n = k.shape[0]
-    width = n if width is None else int(width)
-    out = torch.empty((t, width), dtype=torch.float32, device=q.device)
-    if t == 0 or width == 0:
+    q, k = q.contiguous(), k.contiguous()  # the codes' strides are q's and k's
+    out, args = logits_launch_args(q, weights, k, n_visible, k_start, width, True)
+    if not out.numel():
         return out
-    if k_start is not None and k_start.shape != (t,):
-        raise ValueError(f"mqa_logits: k_start must be [{t}], got {tuple(k_start.shape)}")
-    q = q.contiguous()
-    k = k.contiguous()
-    wb = weights.to(torch.bfloat16).float().contiguous()
-    q8, w2, qok = encode_int8(q, weights)
-    k8, kscale, kok = k_encoded or encode_int8(k)
-    n_visible = n_visible.contiguous()
-    ks = n_visible if k_start is None else k_start.contiguous()
+    encoded = (*encode_int8(q, weights), *(k_encoded or encode_int8(k)))
     block_t, block_n, warps, stages = config or DEFAULT_CONFIG
-    grid = (triton.cdiv(width, block_n), triton.cdiv(t, block_t))
-    strides = (q.stride(0), q.stride(1), wb.stride(0), k.stride(0), out.stride(0))
+    grid = (triton.cdiv(out.shape[1], block_n), triton.cdiv(out.shape[0], block_t))
     _mqa_logits_int8_kernel[grid](
-        q8, w2, qok, k8, kscale, kok, q, wb, k, n_visible, ks, out, t, h, n, width, *strides,
-        HAS_KSTART=k_start is not None, D=d, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages,
-        EMULATE=interpreting(), PACKED=packed and q.is_cuda, FILL=fill, CVT=convert == "cvt",
-        num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        *encoded, *args, HAS_KSTART=k_start is not None, D=q.shape[2], BLOCK_T=block_t,
+        BLOCK_N=block_n, STAGES=stages, EMULATE=interpreting(), PACKED=packed and q.is_cuda,
+        FILL=fill, CVT=convert == "cvt", num_warps=warps, num_stages=stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if k_start is not None:
-        mqa_logits_rows_kernel[grid](
-            q, wb, k, n_visible, ks, out, t, h, n, width, *strides, D=d,
-            H_PAD=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t, BLOCK_N=block_n,
-            UPCAST=interpreting(), DOT_PREC="tf32", QAT=True, EMULATE=interpreting(),
-            num_warps=4, num_stages=1,
-        )  # fmt: skip
+        launch_mixed_rows(args, grid, block_t, block_n, True)
     return out
