@@ -34,21 +34,18 @@ decodes the keys into a dense workspace, then calls `launch_mqa_topk`.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 from torch import Tensor
 
 from dsv4cp.kernels._triton import dot_flags
-from dsv4cp.kernels.indexer_logits import check_mqa_logits, launch_mqa_logits
-from dsv4cp.kernels.indexer_logits_int8 import encode_int8, launch_mqa_logits_int8
+from dsv4cp.kernels.indexer_logits import check_mqa_logits
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
+from dsv4cp.kernels.indexer_topk_logits import logits_then_topk
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
 from dsv4cp.kernels.indexer_topk_plan import plan_gather, plan_pieces, plan_seed
 from dsv4cp.kernels.indexer_topk_scan import member_kernel, scan_kernel
 from dsv4cp.kernels.topk import launch_topk as _launch_topk
-from dsv4cp.ops.indexer_topk import in_row_chunks
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 MAX_K = 2048
@@ -316,38 +313,6 @@ def pick_route(route: str, width: int, blocks: bool, rows: int = 0) -> str:
         many_rows = rows * LOGITS_ROUTE_KEYS_PER_ROW >= width
         return "logits" if not blocks and (width <= LOGITS_ROUTE_MAX_WIDTH or many_rows) else "scan"
     return route
-
-
-def logits_then_topk(
-    q: Tensor,
-    weights: Tensor,
-    k: Tensor,
-    n_visible: Tensor,
-    k_top: int,
-    k_start: Tensor | None,
-    width: int,
-    quant: QuantMode,
-    key_bits: int = 32,
-    packed: bool = True,
-    fill: bool = False,
-    int8: bool = False,
-) -> Tensor:
-    """The plain top-k as the ops twin composes it (`ops.indexer_topk.in_row_chunks`, the same
-    row chunks), with the kernels: `mqa_logits` (`packed`, `fill` as `launch_mqa_logits`: the
-    selection reads only j < n_visible, so by default those past it stay unwritten; `int8`:
-    qat's bf16 q and k on int8 MMAs, `indexer_logits_int8`, k encoded once for every chunk),
-    then `topk_indices` (its search over `key_bits`: 16 for qat's bf16 scores). int32 [T, k_top]."""
-    if int8 and quant == "qat" and q.dtype == torch.bfloat16:
-        logits_fn = partial(launch_mqa_logits_int8, k_encoded=encode_int8(k), packed=packed,
-                            fill=fill)  # fmt: skip
-    else:
-        logits_fn = partial(launch_mqa_logits, packed=packed, fill=fill)
-    (out,) = in_row_chunks(
-        q, weights, k, n_visible, k_start, width,
-        lambda logits, rows: [_launch_topk(logits, n_visible[rows], k_top, key_bits=key_bits)],
-        quant, logits_fn=logits_fn,
-    )  # fmt: skip
-    return out
 
 
 def mqa_topk(
