@@ -7,7 +7,9 @@ positions P … P + T − 1 over (P + T) / 2 keys, fake-fp4 q and k (`fake_quant
 random normals, as the layer's qat index vectors), fp32 head weights, 32 heads × 128,
 n_visible (pos + 1) // 2; `fill=False` as the route launches it. `int8 cvt`: the shipped
 config with the sums made fp32 by `cvt.rn.f32.s32` instead of the magic-number add;
-`maxnreg=168`: 2 stages with ptxas's register cap at 168 (3 programs an SM, 84 B spilled).
+`relu_fma`: the relu and the weight product in one `fma.rn.relu.bf16x2` a pair (the sign on the
+head sum's FFMA; 357 SASS instructions a head step with cvt, against the shipped 447);
+`maxnreg=168`: 2 stages with ptxas's register cap at 168 (3 programs an SM, ~100 B spilled).
 
     PYTHONPATH=python python -m benchmarks.logits_int8 --tokens 65536@0 --out out/logits_int8.json
 """
@@ -27,12 +29,16 @@ from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 from dsv4cp.ops.indexer_topk import row_chunks
 
 HEADS, DIM = 32, 128
-CONFIGS = [DEFAULT_CONFIG, (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3)]
+CONFIGS = [DEFAULT_CONFIG, (64, 128, 4, 2), (64, 128, 4, 4)]
+CVT_FMA: dict[str, Any] = {"convert": "cvt", "relu_fma": True}
 VARIANTS: list[tuple[str, tuple[int, int, int, int], dict[str, Any]]] = [
     *[(f"int8 {g}", g, {}) for g in CONFIGS],
     ("int8 cvt", DEFAULT_CONFIG, {"convert": "cvt"}),
+    ("int8 relu_fma", DEFAULT_CONFIG, {"relu_fma": True}),
+    ("int8 cvt relu_fma", DEFAULT_CONFIG, CVT_FMA),
+    ("int8 (64, 128, 4, 2) cvt relu_fma", (64, 128, 4, 2), CVT_FMA),
     ("int8 (64, 128, 4, 2) maxnreg=168", (64, 128, 4, 2), {"maxnreg": 168}),
-    ("int8 (64, 128, 4, 2) cvt maxnreg=168", (64, 128, 4, 2), {"convert": "cvt", "maxnreg": 168}),
+    ("int8 (64, 128, 4, 2) cvt relu_fma maxnreg=168", (64, 128, 4, 2), CVT_FMA | {"maxnreg": 168}),
 ]
 
 

@@ -220,16 +220,17 @@ def test_int8_logits_kernels_compile_for_sm90(k_start: bool) -> None:
     block_t, block_n, warps, stages = m.DEFAULT_CONFIG
     types = ["*i8", "*fp32", "*i8", "*i8", "*fp32", "*i8", "*bf16", "*fp32", "*bf16", "*i32"]
     types += ["*i64" if k_start else "*i32", "*fp32"] + ["i32"] * 9
-    for cvt in (False, True):
+    for cvt, relu_fma in ((False, False), (True, False), (True, True)):
         const = dict(
             HAS_KSTART=k_start, D=128, BLOCK_T=block_t, BLOCK_N=block_n, STAGES=stages,
-            EMULATE=False, PACKED=True, FILL=False, CVT=cvt,
+            EMULATE=False, PACKED=True, FILL=False, CVT=cvt, RELU_FMA=relu_fma,
         )  # fmt: skip
         ptx = _compile(m._mqa_logits_int8_kernel, types, const, warps, stages)
         wgmma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
         assert any(".s32.s8.s8" in ln for ln in wgmma), wgmma[:2]
         assert any(".bf16.bf16" in ln for ln in wgmma), wgmma[:2]
         assert ("cvt.rn.f32.s32" in ptx) == cvt  # "magic": the add, no conversion
+        assert ("fma.rn.relu.bf16x2" in ptx) == relu_fma  # the bf16 branch: max and mul
     for has_w in (False, True):
         types = ["*bf16", "*fp32", "*i8", "*fp32", "*fp32", "*i8", "i32", "i32"]
         const = dict(E_LIM=m.E_LIMIT, D=128, G_PAD=32, HAS_W=has_w, EMULATE=False)

@@ -136,12 +136,17 @@ def test_qat_packed_equals_unpacked_on_random_inputs() -> None:
     assert torch.isfinite(packed).any() and torch.isinf(packed).any()
 
 
-@pytest.mark.parametrize("k_start", [False, True])
-def test_qat_int8_equals_bf16_kernel(k_start: bool) -> None:
+@pytest.mark.parametrize(
+    ("k_start", "convert", "relu_fma"),
+    [(False, "magic", False), (True, "magic", False), (False, "cvt", True), (True, "cvt", True),
+     (False, "magic", True), (False, "cvt", False)],
+)  # fmt: skip
+def test_qat_int8_equals_bf16_kernel(k_start: bool, convert: str, relu_fma: bool) -> None:
     """The int8-MMA qat kernel (`indexer_logits_int8`) forms the bf16 qat kernel's logits bit
-    for bit on fake-fp4 inputs at Flash's index dims, the twin's too; a key and a query row the
-    encoding cannot hold exactly (a block 2^9 below the vector's largest, a head 2^-40 small)
-    take the per-tile bf16 branch and still agree."""
+    for bit on fake-fp4 inputs at Flash's index dims, the twin's too, with either conversion
+    and either form of the relu and weight product (the weights of both signs); a key and a
+    query row the encoding cannot hold exactly (a block 2^9 below the vector's largest, a head
+    2^-40 small) take the per-tile bf16 branch and still agree."""
     from dsv4cp.kernels.indexer_logits import launch_mqa_logits
     from dsv4cp.kernels.indexer_logits_int8 import encode_int8, launch_mqa_logits_int8
 
@@ -157,7 +162,9 @@ def test_qat_int8_equals_bf16_kernel(k_start: bool) -> None:
         ks[350:] = 1500  # mixed blocks go to the bf16 per-row kernel
     nv = torch.minimum(torch.randint(0, 3000, (t,), device="cuda"), n - ks)
     want = launch_mqa_logits(q, w, k, nv, k_start=ks, width=3000, quant="qat")
-    got = launch_mqa_logits_int8(q, w, k, nv, k_start=ks, width=3000)
+    assert (w < 0).sum() > t * h // 4 and (w > 0).sum() > t * h // 4
+    kw = dict(k_start=ks, width=3000, convert=convert, relu_fma=relu_fma)
+    got = launch_mqa_logits_int8(q, w, k, nv, **kw)
     assert torch.equal(got, want)
     assert torch.equal(got, ops.mqa_logits(q, w, k, nv, k_start=ks, width=3000, quant="qat"))
     assert torch.isfinite(got).sum() > t * 500

@@ -116,12 +116,47 @@ def _as_fp32(s, CVT: tl.constexpr):
 
 
 @triton.jit
+def _relu_term_bf16x2(s, w_abs):
+    """bf16(relu(bf16(s)) · w_abs) as fp32 for w_abs ≥ 0 and a finite product, two values per
+    asm block: the product rounded once with the relu on it (`fma.rn.relu.bf16x2`, +0 added),
+    equal to relu first and `mul.rn` after because w_abs ≥ 0 and RN is symmetric."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 p, z;
+        mov.b32 z, 0;
+        cvt.rn.bf16x2.f32 p, $3, $2;
+        fma.rn.relu.bf16x2 p, p, $4, z;
+        shl.b32 $0, p, 16;
+        and.b32 $1, p, 0xFFFF0000;
+        }""",
+        constraints="=r,=r,r,r,r",
+        args=[s, w_abs],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _exact_term(s, wh, EMULATE: tl.constexpr, PACKED: tl.constexpr, RELU_FMA: tl.constexpr):
+    """One head's qat term of the exact path from its fp32 sums s [rows, cols] and the row's
+    scaled weights wh [rows]: head_term's bits. RELU_FMA (GPU): the weight's sign is taken out
+    (bf16(relu(x)·w) = ±bf16(relu(x·|w|)), exact for the finite values this path holds) so
+    the relu rides on the product's rounding and the sign on the head sum's add (an FFMA)."""
+    if RELU_FMA and PACKED and not EMULATE:
+        sign = tl.where(wh < 0, -1.0, 1.0)
+        return _relu_term_bf16x2(s, tl.abs(wh).to(tl.bfloat16)[:, None]) * sign[:, None]
+    else:
+        return head_term(s, wh[:, None], True, EMULATE, PACKED)
+
+
+@triton.jit
 def _mqa_logits_int8_kernel(
     q8_ptr, w2_ptr, qok_ptr, k8_ptr, kscale_ptr, kok_ptr, q_ptr, w_ptr, k_ptr, nvis_ptr,
     kstart_ptr, out_ptr, T, H, N, WIDTH, stride_qt, stride_qh, stride_wt, stride_kn,
     stride_ot, HAS_KSTART: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr, PACKED: tl.constexpr,
-    FILL: tl.constexpr, CVT: tl.constexpr,
+    FILL: tl.constexpr, CVT: tl.constexpr, RELU_FMA: tl.constexpr,
 ):  # fmt: skip
     # Row blocks that share one k_start (all of them without k_start), as indexer_logits's
     # tile kernel; the others are left to its per-row kernel.
@@ -148,7 +183,7 @@ def _mqa_logits_int8_kernel(
                 q8 = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
                 wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
                 s = tl.dot(q8, k8, out_dtype=tl.int32)
-                acc += head_term(_as_fp32(s, CVT), wh[:, None], True, EMULATE, PACKED)
+                acc += _exact_term(_as_fp32(s, CVT), wh, EMULATE, PACKED, RELU_FMA)
                 q_ptrs += stride_qh
                 w_ptrs += 1
         else:  # the bf16 kernel's steps (indexer_logits, qat)
@@ -177,6 +212,7 @@ def launch_mqa_logits_int8(
     fill: bool = True,
     convert: str = "magic",
     maxnreg: int | None = None,
+    relu_fma: bool = False,
 ) -> Tensor:
     """`indexer_logits.launch_mqa_logits(quant="qat")` on int8 MMAs: the same fp32
     [T, width]. `k_encoded`: encode_int8(k), made once for several row chunks of the same k
@@ -184,7 +220,9 @@ def launch_mqa_logits_int8(
     k_start go to indexer_logits's per-row kernel (bf16). `fill` as launch_mqa_logits;
     `convert`: how the int32 sums become fp32 (module docstring; the same values); `maxnreg`:
     ptxas's register cap for the tile kernel (benchmarks: 168 lets 3 programs share an SM at
-    2 stages, with 84 B spilled; not timed)."""
+    2 stages, with 84 B spilled; not timed); `relu_fma`: the exact path's relu and weight
+    product in one `fma.rn.relu.bf16x2` a pair, the weight's sign on the head sum's add (the
+    same values; `_exact_term`)."""
     check_mqa_logits(q, weights, k, n_visible)
     if convert not in CONVERTS:
         raise ValueError(f"mqa_logits int8: convert must be one of {CONVERTS}, got {convert!r}")
@@ -202,7 +240,7 @@ def launch_mqa_logits_int8(
     _mqa_logits_int8_kernel[grid](
         *encoded, *args, HAS_KSTART=k_start is not None, D=q.shape[2], BLOCK_T=block_t,
         BLOCK_N=block_n, STAGES=stages, EMULATE=interpreting(), PACKED=packed and q.is_cuda,
-        FILL=fill, CVT=convert == "cvt", num_warps=warps, num_stages=stages,
+        FILL=fill, CVT=convert == "cvt", RELU_FMA=relu_fma, num_warps=warps, num_stages=stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if k_start is not None:
