@@ -5,11 +5,11 @@ encoding of q and k, the visible-key TFLOP/s, and whether every visible logit eq
 baseline's bit for bit (it must: the int8 path is exact). `--tokens` as `T@P`: T rows at
 positions P … P + T − 1 over (P + T) / 2 keys, fake-fp4 q and k (`fake_quant_index_fp4` of
 random normals, as the layer's qat index vectors), fp32 head weights, 32 heads × 128,
-n_visible (pos + 1) // 2; `fill=False` as the route launches it. `int8 cvt`: the shipped
-config with the sums made fp32 by `cvt.rn.f32.s32` instead of the magic-number add;
-`relu_fma`: the relu and the weight product in one `fma.rn.relu.bf16x2` a pair (the sign on the
-head sum's FFMA; 357 SASS instructions a head step with cvt, against the shipped 447);
-`maxnreg=168`: 2 stages with ptxas's register cap at 168 (3 programs an SM, ~100 B spilled).
+n_visible (pos + 1) // 2; `fill=False` as the route launches it. Rows: the default (cvt,
+relu_fma, 2 stages, 168 registers), the first int8 form (magic-number add, max then mul, 3
+stages, no cap) and each knob alone: `cvt` (`cvt.rn.f32.s32` instead of the magic-number add),
+`relu_fma` (the relu and the weight product in one `fma.rn.relu.bf16x2` a pair, the sign on the
+head sum's FFMA), `maxnreg=168` (ptxas's register cap: 3 programs an SM, ~100 B spilled).
 
     PYTHONPATH=python python -m benchmarks.logits_int8 --tokens 65536@0 --out out/logits_int8.json
 """
@@ -29,16 +29,16 @@ from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 from dsv4cp.ops.indexer_topk import row_chunks
 
 HEADS, DIM = 32, 128
-CONFIGS = [DEFAULT_CONFIG, (64, 128, 4, 2), (64, 128, 4, 4)]
-CVT_FMA: dict[str, Any] = {"convert": "cvt", "relu_fma": True}
+FIRST: dict[str, Any] = {"convert": "magic", "relu_fma": False, "maxnreg": None}
+CVT_FMA: dict[str, Any] = {"convert": "cvt", "relu_fma": True, "maxnreg": None}
 VARIANTS: list[tuple[str, tuple[int, int, int, int], dict[str, Any]]] = [
-    *[(f"int8 {g}", g, {}) for g in CONFIGS],
-    ("int8 cvt", DEFAULT_CONFIG, {"convert": "cvt"}),
-    ("int8 relu_fma", DEFAULT_CONFIG, {"relu_fma": True}),
-    ("int8 cvt relu_fma", DEFAULT_CONFIG, CVT_FMA),
+    (f"int8 {DEFAULT_CONFIG} default", DEFAULT_CONFIG, {}),
+    ("int8 (64, 128, 4, 3) magic (first form)", (64, 128, 4, 3), FIRST),
+    ("int8 (64, 128, 4, 3) cvt", (64, 128, 4, 3), FIRST | {"convert": "cvt"}),
+    ("int8 (64, 128, 4, 3) relu_fma", (64, 128, 4, 3), FIRST | {"relu_fma": True}),
+    ("int8 (64, 128, 4, 3) cvt relu_fma", (64, 128, 4, 3), CVT_FMA),
     ("int8 (64, 128, 4, 2) cvt relu_fma", (64, 128, 4, 2), CVT_FMA),
-    ("int8 (64, 128, 4, 2) maxnreg=168", (64, 128, 4, 2), {"maxnreg": 168}),
-    ("int8 (64, 128, 4, 2) cvt relu_fma maxnreg=168", (64, 128, 4, 2), CVT_FMA | {"maxnreg": 168}),
+    ("int8 (64, 128, 4, 2) magic maxnreg=168", (64, 128, 4, 2), FIRST | {"maxnreg": 168}),
 ]
 
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "logits_int8",
         "dtype": "fake-fp4 q and k in bf16, fp32 logits (qat)",
-        "shapes": dict(heads=HEADS, dim=DIM, configs=CONFIGS),
+        "shapes": dict(heads=HEADS, dim=DIM, variants=[(n, g, k) for n, g, k in VARIANTS]),
         "note": "int8 ms include the encoding of q (per chunk) and k (once a pass); encode_ms "
         "is both encodings of the whole batch timed alone",
         "rows": rows,

@@ -9,10 +9,16 @@ bits). Then a head's dot is 2^(Eq+Ek) · S with S = Σ nq·nk an exact int32 (|S
 the numbers stay normal: bf16(relu(bf16(s))·bf16(w)) = 2^Ek · bf16(relu(bf16(S))·w′) with
 w′ = bf16(w)·2^Eq (exact), the fp32 head sum and its bf16 rounding scale by 2^Ek as well. So
 the kernel forms the same bits as `indexer_logits`'s qat kernel from int8 MMAs: S to fp32
-(`convert`: "magic", the shipped one, adds S to 1.5·2^23's bits and subtracts 1.5·2^23 — ptxas
-starts the MMA's accumulator at that constant, so one move and one FADD a logit; "cvt" is
-`cvt.rn.f32.s32`, which ptxas lowers to one I2FP.F32.S32 a logit, not yet timed), the packed
-qat steps on w′, and one multiply by 2^Ek per column at the end.
+(`convert`: "cvt", the default, is `cvt.rn.f32.s32`, which ptxas lowers to one I2FP.F32.S32 a
+logit; "magic" adds S to 1.5·2^23's bits and subtracts 1.5·2^23 — ptxas starts the MMA's
+accumulator at that constant, so one move and one FADD a logit), the packed qat steps on w′
+(`relu_fma`, the default: bf16(relu(x)·w′) = sign(w′)·relu(bf16(x·|w′|)) for these finite
+values, so one `fma.rn.relu.bf16x2` a pair does the relu and the product and the sign rides on
+the head sum's FFMA), and one multiply by 2^Ek per column at the end. With both, ptxas's head
+step is 357 SASS instructions for 64 logits a thread against 447 (magic, max and mul), and the
+kernel at 2 stages under a 168-register cap (3 programs an SM, ~100 B spilled) ran 1.27× /
+1.34× the bf16 kernel at cold 16K / 64K against 1.11× / 1.15× for the first int8 form
+(docs/performance.md §41, H100).
 
 `encode_int8` marks a vector usable (`ok`) only where the identity is exact: E in [−30, 30]
 and, for a query row, every nonzero head weight in [2^−30, 2^30] (then no true step is
@@ -40,7 +46,8 @@ from dsv4cp.kernels.indexer_logits import (
 from dsv4cp.ops.quant import QuantMode, check_quant_mode
 
 E_LIMIT = 30  # |E| and |log2 w| bound for the exact identity (module docstring)
-DEFAULT_CONFIG = (64, 128, 4, 3)  # (BLOCK_T, BLOCK_N, num_warps, num_stages)
+DEFAULT_CONFIG = (64, 128, 4, 2)  # (BLOCK_T, BLOCK_N, num_warps, num_stages)
+DEFAULT_MAXNREG = 168  # ptxas's cap at DEFAULT_CONFIG: 3 programs an SM (docs/performance.md §41)
 
 
 @triton.jit
@@ -210,19 +217,19 @@ def launch_mqa_logits_int8(
     config: tuple[int, int, int, int] | None = None,
     packed: bool = True,
     fill: bool = True,
-    convert: str = "magic",
-    maxnreg: int | None = None,
-    relu_fma: bool = False,
+    convert: str = "cvt",
+    maxnreg: int | None = DEFAULT_MAXNREG,
+    relu_fma: bool = True,
 ) -> Tensor:
     """`indexer_logits.launch_mqa_logits(quant="qat")` on int8 MMAs: the same fp32
     [T, width]. `k_encoded`: encode_int8(k), made once for several row chunks of the same k
     (the route's), else made here; q's is made here. Row blocks that do not share one
     k_start go to indexer_logits's per-row kernel (bf16). `fill` as launch_mqa_logits;
     `convert`: how the int32 sums become fp32 (module docstring; the same values); `maxnreg`:
-    ptxas's register cap for the tile kernel (benchmarks: 168 lets 3 programs share an SM at
-    2 stages, with 84 B spilled; not timed); `relu_fma`: the exact path's relu and weight
-    product in one `fma.rn.relu.bf16x2` a pair, the weight's sign on the head sum's add (the
-    same values; `_exact_term`)."""
+    ptxas's register cap for the tile kernel (None: none; DEFAULT_MAXNREG lets 3 programs
+    share an SM at DEFAULT_CONFIG); `relu_fma`: the exact path's relu and weight product in
+    one `fma.rn.relu.bf16x2` a pair, the weight's sign on the head sum's add (the same values;
+    `_exact_term`); False: `max` then `mul`, as the bf16 kernel."""
     check_mqa_logits(q, weights, k, n_visible)
     if convert not in CONVERTS:
         raise ValueError(f"mqa_logits int8: convert must be one of {CONVERTS}, got {convert!r}")
