@@ -17,7 +17,7 @@ from torch import Tensor
 from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.index_score import head_term, index_score
 from dsv4cp.kernels.running_topk import cut_rows
-from dsv4cp.kernels.topk_common import _sortable
+from dsv4cp.kernels.topk_common import sortable_key
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def gather_kernel(
             s = tl.dot(qt, kt, input_precision=DOT_PREC)
             terms = head_term(s, wt[:, None], QAT, RNE, PACKED)
             logit = index_score(tl.sum(terms, 0), QAT, RNE, PACKED)
-            key = _sortable(logit)
+            key = sortable_key(logit)
             take = valid & (logit > float("-inf")) & (key > tau)
             n_take = tl.sum(take.to(tl.int32), 0)
             if n_take > 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels.topk_common import _kth_key, _store_prefix, _store_selection
+from dsv4cp.kernels.topk_common import kth_key, store_prefix, store_selection
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def merge_kernel(
     out_row = out_ptr + row * stride_ot
     n = tl.maximum(tl.minimum(tl.load(nvis_ptr + row).to(tl.int32), WIDTH), 0)
     if PREFIX and n <= K:
-        _store_prefix(out_row, n, K, K_PAD)
+        store_prefix(out_row, n, K, K_PAD)
         if FLAG:
             tl.store(redo_ptr + row, tl.zeros([], dtype=tl.int8))
     else:
@@ -44,4 +44,4 @@ def merge_kernel(
         if FLAG:  # the seeded scan's pieces hold fewer than K keys ≥ the seed: redo the row
             tl.store(redo_ptr + row, (held < K).to(tl.int8))
         tl.store(out_row + o, tl.full([K_PAD], -1, tl.int32), mask=(o >= total) & (o < K))
-        _store_selection(keys, idx, keys > -2147483648, _kth_key(keys, K, KEY_BITS), out_row, K)
+        store_selection(keys, idx, keys > -2147483648, kth_key(keys, K, KEY_BITS), out_row, K)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dsv4cp.kernels.index_score import add_heads, index_score
 from dsv4cp.kernels.running_topk import cut_block
-from dsv4cp.kernels.topk_common import _sortable
+from dsv4cp.kernels.topk_common import sortable_key
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def scan_kernel(
             if MEMBER:
                 member = tl.load(member_ptr + rows64[:, None] * NB + cols[None, :] // BS, mask=vis)
                 elig = vis & (member != 0) & (acc > float("-inf"))
-            key = _sortable(acc)  # acc starts at +0.0 and adds products: never -0.0
+            key = sortable_key(acc)  # acc starts at +0.0 and adds products: never -0.0
             take = elig & (key > tau[:, None])
             take_i = take.to(tl.int32)  # the stores mask with take_i != 0, not take: Triton 3.6
             # (the device's) failed to compile this kernel (block max + qat) with mask=take

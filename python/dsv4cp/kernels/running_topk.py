@@ -1,8 +1,9 @@
 """The running top-k buffer of the fused indexer kernels: cut a row's buffer to its exact top K.
 
 Each row keeps its running selection in a small buffer of CAP (order-preserving int32 key, column)
-pairs in column order (`kernels.topk_common._sortable` makes the keys). A column enters when its key
-beats the row's threshold τ, the K-th largest key seen so far (INT_MIN until the row has seen K).
+pairs in column order (`kernels.topk_common.sortable_key` makes the keys). A column enters when
+its key beats the row's threshold τ, the K-th largest key seen so far (INT_MIN until the row has
+seen K).
 When a buffer is nearly full it is cut to exactly its top K by (key desc, column asc): a bitwise
 search over the keys (`kth_rows`, vectorised over rows; `kernels/topk.py` runs it on one row for its
 selections and the pieces' merge), then a stable compaction (`cut_rows`); τ rises. A later column

@@ -13,7 +13,7 @@ Two levels. The default (`merge="slots"`): (1) one program per piece (`slot_piec
 for rows up to 16K wide in the int32 keys' search, or 16384 where 8192's slots would not fit the
 merge) selects that piece's own top k, the piece in registers for the search (a piece holding a NaN:
 the bf16-pair search hands it to the search from memory) and the selection written from memory SUB
-keys at a time (`_write_streamed`, which keeps the kernel at half the registers of an in-register
+keys at a time (`write_streamed`, which keeps the kernel at half the registers of an in-register
 prefix sum), and writes those ≤ k keys and indices to the piece's slot; a row that is one piece is
 selected there outright. (2) one program per row selects among its pieces' slots, read piece by
 piece (so in index order). That is exact: the row's k-th largest key τ is ≥ every piece's, so each
@@ -34,20 +34,20 @@ from torch import Tensor
 from dsv4cp.kernels._triton import interpreting
 from dsv4cp.kernels.topk_bf16x2 import kth_bf16x2
 from dsv4cp.kernels.topk_common import (
-    _kth_key,
-    _load_keys,
-    _row_n,
-    _sortable,
-    _store_prefix,
-    _store_selection,
-    _stream_kth,
-    _warps,
-    _write_streamed,
+    kth_key,
+    load_keys,
+    piece_warps,
+    row_count,
+    sortable_key,
+    store_prefix,
+    store_selection,
+    stream_kth,
+    write_streamed,
 )
 from dsv4cp.kernels.topk_stream import CHUNK, STREAM, _launch_stream
 
 MAX_K = 4096
-WRITE_SUB = 2048  # keys at a time of a selection written from memory (`_write_streamed`)
+WRITE_SUB = 2048  # keys at a time of a selection written from memory (`write_streamed`)
 MAX_MERGE = 16384  # slots (pieces × k, padded to powers of two) one merge program holds
 SLOT_PIECES = (4096, 8192, 16384)  # merge="slots"' piece widths, narrowest first
 
@@ -65,18 +65,18 @@ def _select_piece(
     all_ties = False
     if PACKED:
         tau_x, n_gt, n_ge, ok = kth_bf16x2(row_ptr, start, end, K, BLOCK, EMULATE)
-        tau = _sortable(tau_x)  # τ's key, as _load_keys makes the keys
+        tau = sortable_key(tau_x)  # τ's key, as load_keys makes the keys
         all_ties = ok and n_ge == K  # no key == τ left out
         if not ok:
-            tau, n_gt = _stream_kth(row_ptr + start, m, K, SUB, KEY_BITS)  # from memory
+            tau, n_gt = stream_kth(row_ptr + start, m, K, SUB, KEY_BITS)  # from memory
     else:
-        keys = _load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
-        tau = _kth_key(keys, K, KEY_BITS)
+        keys = load_keys(row_ptr, start + tl.arange(0, BLOCK), end)
+        tau = kth_key(keys, K, KEY_BITS)
         n_gt = tl.sum((keys > tau).to(tl.int32), 0)
     if all_ties:  # the keys ≥ τ: one prefix sum
-        _write_streamed(row_ptr, start, end, tau, 0, dst_i, dst_k, STORE_KEYS, SUB, True)
+        write_streamed(row_ptr, start, end, tau, 0, dst_i, dst_k, STORE_KEYS, SUB, True)
     else:
-        _write_streamed(row_ptr, start, end, tau, K - n_gt, dst_i, dst_k, STORE_KEYS, SUB)
+        write_streamed(row_ptr, start, end, tau, K - n_gt, dst_i, dst_k, STORE_KEYS, SUB)
 
 
 @triton.jit
@@ -100,14 +100,14 @@ def _piece_select_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
-    n = _row_n(nvis_ptr, row, W)
+    n = row_count(nvis_ptr, row, W)
     row_ptr = logits_ptr + row * stride_lt
     start = piece * BLOCK
     if n <= BLOCK:  # the row is its first piece: selected here, the merge skips it
         if piece == 0:
             out_row = out_ptr + row * stride_ot
             if n <= K:
-                _store_prefix(out_row, n, K, OUT_BLOCK)
+                store_prefix(out_row, n, K, OUT_BLOCK)
             else:
                 _select_piece(
                     row_ptr,
@@ -133,7 +133,7 @@ def _piece_select_kernel(
             )  # fmt: skip
         elif m > 0:  # all of its keys
             o = tl.arange(0, OUT_BLOCK)
-            tl.store(sk_ptr + slot + o, _load_keys(row_ptr, start + o, n), mask=o < m)
+            tl.store(sk_ptr + slot + o, load_keys(row_ptr, start + o, n), mask=o < m)
             tl.store(si_ptr + slot + o, start + o, mask=o < m)
 
 
@@ -153,11 +153,11 @@ def _topk_merge_kernel(
     KEY_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = _row_n(nvis_ptr, row, W)
+    n = row_count(nvis_ptr, row, W)
     out_row = out_ptr + row * stride_ot
     if n > PIECE:  # narrower rows: the piece kernel selected them
         if n <= K:
-            _store_prefix(out_row, n, K, OUT_BLOCK)
+            store_prefix(out_row, n, K, OUT_BLOCK)
         else:
             j = tl.arange(0, M_BLOCK)
             p = j // OUT_BLOCK
@@ -167,7 +167,7 @@ def _topk_merge_kernel(
             off = (row * PIECES + p) * K + s
             keys = tl.load(sk_ptr + off, mask=ok, other=-2147483648)
             idx = tl.load(si_ptr + off, mask=ok, other=0)
-            _store_selection(keys, idx, ok, _kth_key(keys, K, KEY_BITS), out_row, K)
+            store_selection(keys, idx, ok, kth_key(keys, K, KEY_BITS), out_row, K)
 
 
 def check_topk(logits: Tensor, n_visible: Tensor, k: int) -> None:
@@ -296,7 +296,7 @@ def _launch_slots(
         KEY_BITS=key_bits,
         PACKED=packed,
         EMULATE=interpreting(),
-        num_warps=_warps(piece),
+        num_warps=piece_warps(piece),
     )
     if pieces == 1:
         return

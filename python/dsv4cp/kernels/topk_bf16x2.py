@@ -8,7 +8,7 @@ H·0xFFFF0000 mod 2³² for L and H true halves, from which L + H is recovered (
 step costs a compare and an add per two keys where the int32 keys cost a compare, a select and
 an add per key. 16 steps walk the 16-bit order-preserving image u of the k-th value; a candidate
 u is compared as the bf16 value it images, so the compare is the float order, in which −0 equals
-+0 (the keys' canonical order: `topk_common._load_keys` maps −0 to +0, as the twin does). The
++0 (the keys' canonical order: `topk_common.load_keys` maps −0 to +0, as the twin does). The
 images below −inf's (the negative NaN patterns) are compared as −inf and those above +inf's count
 nothing, which is what the keys' order gives while no key is a NaN. A piece holding a NaN
 reports it (`ok` false) and the caller searches its int32 keys from memory instead. The search

@@ -11,28 +11,28 @@ from dsv4cp.kernels.running_topk import kth_rows
 
 
 @triton.jit
-def _sortable(x):
+def sortable_key(x):
     # fp32 → int32 with the same order: negative floats get their magnitude bits flipped.
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _load_keys(row_ptr, cols, n):
-    key = _sortable(tl.load(row_ptr + cols, mask=cols < n, other=0.0).to(tl.float32))
+def load_keys(row_ptr, cols, n):
+    key = sortable_key(tl.load(row_ptr + cols, mask=cols < n, other=0.0).to(tl.float32))
     key = tl.where(key == -1, 0, key)  # −0's key is −1: −0 ties +0, as in the twin
     return tl.where(cols < n, key, -2147483648)
 
 
 @triton.jit
-def _kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
+def kth_key(keys, K: tl.constexpr, KEY_BITS: tl.constexpr):
     """The K-th largest of `keys` [C] (int32; pads are INT_MIN and never counted): the running
     top-k's search (`running_topk.kth_rows`, KEY_BITS as there) over one row."""
     return tl.max(kth_rows(tl.reshape(keys, [1, keys.shape[0]]), 1, K, KEY_BITS), 0)
 
 
 @triton.jit
-def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
+def store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
     """Write idx of keys > τ and of the first (K − #greater) keys == τ, in order."""
     gt = keys > tau
     eq = (keys == tau) & ok
@@ -43,7 +43,7 @@ def _store_selection(keys, idx, ok, tau, out_row, K: tl.constexpr):
 
 
 @triton.jit
-def _write_streamed(
+def write_streamed(
     row_ptr, start, end, tau, need, dst_i, dst_k, STORE_KEYS: tl.constexpr, SUB: tl.constexpr,
     ALL_TIES: tl.constexpr = False,
 ):  # fmt: skip
@@ -58,7 +58,7 @@ def _write_streamed(
     sel_before = tl.zeros([], dtype=tl.int32)
     for c0 in range(start, end, SUB):
         cc = c0 + cols
-        kc = _load_keys(row_ptr, cc, end)
+        kc = load_keys(row_ptr, cc, end)
         if ALL_TIES:
             sel = kc >= tau  # pads are INT_MIN, below every τ
         else:
@@ -81,12 +81,12 @@ def _stream_raise(row_ptr, n, tau_u, step, K: tl.constexpr, BLOCK: tl.constexpr)
     cand = (cand_u - 2147483648).to(tl.int32)
     cnt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
-        cnt += tl.sum((_load_keys(row_ptr, c0 + cols, n) >= cand).to(tl.int32), 0)
+        cnt += tl.sum((load_keys(row_ptr, c0 + cols, n) >= cand).to(tl.int32), 0)
     return tl.where(cnt >= K, cand_u, tau_u)
 
 
 @triton.jit
-def _stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
+def stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
     """The K-th largest of the row's n keys in memory and how many are greater: KEY_BITS (+1
     below 32) counting passes (`kth_rows`' search) and one more."""
     tau_u = tl.zeros([], dtype=tl.int64)
@@ -99,20 +99,20 @@ def _stream_kth(row_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.c
     cols = tl.arange(0, BLOCK)
     n_gt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
-        n_gt += tl.sum((_load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
+        n_gt += tl.sum((load_keys(row_ptr, c0 + cols, n) > tau).to(tl.int32), 0)
     return tau, n_gt
 
 
 @triton.jit
-def _row_n(nvis_ptr, row, W):
+def row_count(nvis_ptr, row, W):
     return tl.maximum(tl.minimum(tl.load(nvis_ptr + row).to(tl.int32), W), 0)
 
 
 @triton.jit
-def _store_prefix(out_row, n, K: tl.constexpr, OUT_BLOCK: tl.constexpr):
+def store_prefix(out_row, n, K: tl.constexpr, OUT_BLOCK: tl.constexpr):
     o = tl.arange(0, OUT_BLOCK)
     tl.store(out_row + o, tl.where(o < n, o, -1), mask=o < K)
 
 
-def _warps(block: int) -> int:
+def piece_warps(block: int) -> int:
     return max(4, min(8, block // 2048))

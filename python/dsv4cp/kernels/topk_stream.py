@@ -12,14 +12,14 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv4cp.kernels.topk_common import (
-    _kth_key,
-    _load_keys,
-    _row_n,
-    _store_prefix,
-    _store_selection,
-    _stream_kth,
-    _warps,
-    _write_streamed,
+    kth_key,
+    load_keys,
+    piece_warps,
+    row_count,
+    store_prefix,
+    store_selection,
+    stream_kth,
+    write_streamed,
 )
 
 CHUNK = 16384  # merge="stream"'s piece, in registers
@@ -31,9 +31,9 @@ MAX_CAP = 16384
 def _stream_select(
     row_ptr, out_row, n, K: tl.constexpr, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr
 ):
-    """Whole-row search from memory (`_stream_kth`), then one writing pass."""
-    tau, n_gt = _stream_kth(row_ptr, n, K, BLOCK, KEY_BITS)
-    _write_streamed(row_ptr, 0, n, tau, K - n_gt, out_row, out_row, False, BLOCK)
+    """Whole-row search from memory (`stream_kth`), then one writing pass."""
+    tau, n_gt = stream_kth(row_ptr, n, K, BLOCK, KEY_BITS)
+    write_streamed(row_ptr, 0, n, tau, K - n_gt, out_row, out_row, False, BLOCK)
 
 
 @triton.jit
@@ -50,12 +50,12 @@ def _piece_kth_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
-    n = _row_n(nvis_ptr, row, W)
+    n = row_count(nvis_ptr, row, W)
     start = piece * BLOCK
     tau = tl.full([], -2147483648, tl.int32)  # a piece with ≤ K keys bounds nothing
     if tl.minimum(n - start, BLOCK) > K:
-        keys = _load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
-        tau = _kth_key(keys, K, KEY_BITS)
+        keys = load_keys(logits_ptr + row * stride_lt, start + tl.arange(0, BLOCK), n)
+        tau = kth_key(keys, K, KEY_BITS)
     tl.store(thr_ptr + row * PIECES + piece, tau)
 
 
@@ -79,11 +79,11 @@ def _topk_candidates_kernel(
     KEY_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = _row_n(nvis_ptr, row, W)
+    n = row_count(nvis_ptr, row, W)
     row_ptr = logits_ptr + row * stride_lt
     out_row = out_ptr + row * stride_ot
     if n <= K:
-        _store_prefix(out_row, n, K, OUT_BLOCK)
+        store_prefix(out_row, n, K, OUT_BLOCK)
     else:
         p = tl.arange(0, P_BLOCK)
         thr = tl.load(thr_ptr + row * PIECES + p, mask=p < PIECES, other=-2147483648)
@@ -94,7 +94,7 @@ def _topk_candidates_kernel(
         cnt = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, n, STREAM_BLOCK):
             cc = c0 + cols
-            kc = _load_keys(row_ptr, cc, n)
+            kc = load_keys(row_ptr, cc, n)
             keep = kc >= bound
             pos = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
             tl.store(ck_row + pos, kc, mask=keep & (pos < CAP))
@@ -105,7 +105,7 @@ def _topk_candidates_kernel(
             j = tl.arange(0, CAP)
             keys = tl.load(ck_row + j, mask=j < cnt, other=-2147483648)
             idx = tl.load(ci_row + j, mask=j < cnt, other=0)
-            _store_selection(keys, idx, j < cnt, _kth_key(keys, K, KEY_BITS), out_row, K)
+            store_selection(keys, idx, j < cnt, kth_key(keys, K, KEY_BITS), out_row, K)
         else:
             _stream_select(row_ptr, out_row, n, K, STREAM_BLOCK, KEY_BITS)
 
@@ -136,7 +136,7 @@ def _launch_stream(
         K=k,
         BLOCK=piece,
         KEY_BITS=key_bits,
-        num_warps=_warps(piece),
+        num_warps=piece_warps(piece),
     )
     ck = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
     ci = torch.empty((t, cap), dtype=torch.int32, device=logits.device)
