@@ -5,6 +5,8 @@
 
 A variant file is a copy of python/dsv4cp/kernels/attention_gluon_halves.py with one change (the
 `halves-*` branches hold them); it is loaded as a module of dsv4cp.kernels beside the routed one.
+The routed file imports its math warpgroups from attention_gluon_halves_math.py: a variant of
+the math inlines its changed copy of them.
 Every kernel is first checked against the ops twin on small shapes (odd and even tile counts, −1
 and out-of-range indices, a row without keys; |Δ| < 2e-2 as in the GPU tests); a variant that
 fails is not timed. Then all are timed in interleaved rounds (CUDA-graph replays; the median of
