@@ -1,10 +1,11 @@
-"""`DeepseekV41Attention`: one V4.1 attention sub-layer on one CP rank, in one file.
+"""`DeepseekV41Attention`: one V4.1 attention sub-layer on one CP rank.
 
 Read top to bottom: the weights (DeepSeek's checkpoint names as views); the prepare, one method
 per schedule node, each reading and writing named buffers of a `PrepareState`; `schedule()`, the
-DAG those nodes form for this layer's role; and `forward` = prepare → sparse attention →
-inverse RoPE → `wo_a` → `wo_b` (attention-math §4.2–§4.7, §5); `sparse_rows` names the cache rows
-the sparse attention reads and bounds its workspace. The reference is DeepSeek's
+DAG those nodes form for this layer's role (built by `attention_schedule.build_schedule`); and
+`forward` = prepare → sparse attention → inverse RoPE → `wo_a` → `wo_b` (attention-math
+§4.2–§4.7, §5); `sparse_rows` names the cache rows the sparse attention reads and bounds its
+workspace. The reference is DeepSeek's
 `model.py` (`Attention.forward`, `Compressor.forward`, `Indexer.forward`,
 `select_candidate_blocks`), rewritten here for CP ranks and slot-indexed caches.
 
@@ -26,8 +27,6 @@ qat), and the attention and the index logits dequantize what they read (docs/cac
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -36,6 +35,7 @@ from dsv4cp.context import ForwardContext
 from dsv4cp.cp.group import gather_indexed, gather_rows, stays_rank_major
 from dsv4cp.executors import SERIAL, Executor
 from dsv4cp.layers import sparse_rows
+from dsv4cp.layers.attention_schedule import build_schedule
 from dsv4cp.layers.linear import Linear, Storage
 from dsv4cp.layers.sparse_rows import kv_source
 from dsv4cp.observe.timing import stage
@@ -58,7 +58,7 @@ from dsv4cp.routing import (
     swa_key_rows,
     swa_rows,
 )
-from dsv4cp.schedule import DEFAULT, Fork, Join, Node, PrepareState, Release, Schedule, Step
+from dsv4cp.schedule import PrepareState, Schedule
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -354,63 +354,8 @@ class DeepseekV41Attention(nn.Module):
         """
         sched = self.schedules.get(overlap_gathers)
         if sched is None:
-            sched = self.schedules[overlap_gathers] = self._build_schedule(overlap_gathers)
+            sched = self.schedules[overlap_gathers] = build_schedule(self, overlap_gathers)
         return sched
-
-    def _build_schedule(self, overlap_gathers: bool) -> Schedule:
-        role = self.role
-
-        def node(
-            fn: Callable[[PrepareState], None],
-            reads: tuple[str, ...],
-            writes: tuple[str, ...],
-            lane: str = DEFAULT,
-            collective: bool = False,
-        ) -> Node:  # a node is named after its method: `_q_chain` → "q_chain"
-            return Node(fn.__name__.removeprefix("_"), fn, reads, writes, lane, collective)
-
-        kv_src, idx = role.owns_compressor, role.index_source
-        steps: list[Step] = [node(self._qkv_a, ("x",), ("q_raw", "kv_raw"))]
-        if kv_src:
-            steps.append(node(self._compressor_proj, ("x",), ("comp_kv",)))
-        steps.append(node(self._q_norm, ("q_raw",), ("q_lora",)))
-        q_lanes: list[Step] = [Fork(("q", "indexer") if idx else ("q",), compute_only=True)]
-        q_lanes.append(node(self._q_chain, ("q_lora",), ("q",), lane="q"))
-        if idx:
-            q_lanes.append(
-                node(self._indexer_qw, ("q_lora", "x"), ("idx_q", "idx_w"), lane="indexer")
-            )
-        gathers: list[Step] = [
-            node(self._swa_rows, ("kv_raw",), ("swa_rows",)),
-            node(self._gather_kv, ("swa_rows",), ("swa_rows_g",), collective=True),
-        ]
-        if kv_src:
-            gathers.append(node(self._gather_comp, ("comp_kv",), ("comp_kv_g",), collective=True))
-        steps += q_lanes + gathers if overlap_gathers else gathers + q_lanes
-        side = ("swa", "compressor") if kv_src else ("swa",)
-        steps.append(Fork(side))
-        steps.append(node(self._swa_store, ("swa_rows_g",), ("swa_cache",), lane="swa"))
-        if kv_src:
-            steps.append(
-                node(
-                    self._compressor,
-                    ("comp_kv_g",),
-                    ("comp_cache", "index_cache"),
-                    lane="compressor",
-                )
-            )
-        steps.append(Join(("q", "indexer", *side) if idx else ("q", *side)))
-        if idx:
-            steps.append(node(self._logits_topk, ("idx_q", "idx_w"), ("topk",)))
-        released = ["q_raw", "kv_raw", "swa_rows", "swa_rows_g", "q_lora"]
-        if kv_src:
-            released += ["comp_kv", "comp_kv_g"]
-        if idx:
-            released += ["idx_q", "idx_w"]
-        steps.append(Release(tuple(released)))
-        outputs = ("q", "swa_cache") + (("topk",) if idx else ())
-        name = f"layer{role.layer}:{role.name}" + ("" if overlap_gathers else ":gathers-first")
-        return Schedule(name, tuple(steps), ("x",), outputs)
 
     # ------------------------------------------------------------------ forward
     def prepare(self, x: Tensor, ctx: ForwardContext, executor: Executor = SERIAL) -> PrepareState:
