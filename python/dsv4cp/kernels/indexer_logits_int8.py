@@ -158,6 +158,26 @@ def _exact_term(s, wh, EMULATE: tl.constexpr, PACKED: tl.constexpr, RELU_FMA: tl
 
 
 @triton.jit
+def int8_heads(
+    acc, q8_ptrs, w2_ptrs, k8, row_mask, H, stride_qh, EMULATE: tl.constexpr,
+    PACKED: tl.constexpr, CVT: tl.constexpr, RELU_FMA: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The exact path's head loop (`add_heads`' int8 twin): acc + Σ_h the qat term of head h in
+    2^-Ek units, heads in order 0…H−1: q8_ptrs [rows, D] and w2_ptrs [rows] point at head 0's
+    codes and scaled weights (`encode_int8`; next head: + stride_qh and + 1), k8 [D, cols] the
+    key tile's codes, rows outside row_mask read zeros; one int8 tensor-core product per head.
+    The caller multiplies `index_score(acc)` by the keys' 2^Ek."""
+    for _ in tl.range(0, H, num_stages=STAGES):
+        q8 = tl.load(q8_ptrs, mask=row_mask[:, None], other=0)
+        wh = tl.load(w2_ptrs, mask=row_mask, other=0.0)
+        s = tl.dot(q8, k8, out_dtype=tl.int32)
+        acc += _exact_term(_as_fp32(s, CVT), wh, EMULATE, PACKED, RELU_FMA)
+        q8_ptrs += stride_qh
+        w2_ptrs += 1
+    return acc
+
+
+@triton.jit
 def _mqa_logits_int8_kernel(
     q8_ptr, w2_ptr, qok_ptr, k8_ptr, kscale_ptr, kok_ptr, q_ptr, w_ptr, k_ptr, nvis_ptr,
     kstart_ptr, out_ptr, T, H, N, WIDTH, stride_qt, stride_qh, stride_wt, stride_kn,
@@ -184,15 +204,8 @@ def _mqa_logits_int8_kernel(
         if (q_exact == 1) & (k_exact == 1):
             k8 = tl.load(k8_ptr + k_off, mask=key_ok[None, :], other=0)
             col_scale = tl.load(kscale_ptr + key_rows, mask=key_ok, other=1.0)
-            q_ptrs = q8_ptr + q_off
-            w_ptrs = w2_ptr + w_off
-            for _ in tl.range(0, H, num_stages=STAGES):
-                q8 = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
-                wh = tl.load(w_ptrs, mask=row_ok, other=0.0)
-                s = tl.dot(q8, k8, out_dtype=tl.int32)
-                acc += _exact_term(_as_fp32(s, CVT), wh, EMULATE, PACKED, RELU_FMA)
-                q_ptrs += stride_qh
-                w_ptrs += 1
+            acc = int8_heads(acc, q8_ptr + q_off, w2_ptr + w_off, k8, row_ok, H, stride_qh,
+                             EMULATE, PACKED, CVT, RELU_FMA, STAGES)  # fmt: skip
         else:  # the bf16 kernel's steps (indexer_logits, qat)
             kt = tl.load(k_ptr + k_off, mask=key_ok[None, :], other=0.0)
             if EMULATE:
@@ -253,3 +266,4 @@ def launch_mqa_logits_int8(
     if k_start is not None:
         launch_mixed_rows(args, grid, block_t, block_n, True)
     return out
+
