@@ -53,6 +53,7 @@ def _compile(
 
 
 SCAN_TYPES = ["*bf16", "*fp32", "*bf16", "*i64", "*i64", "*u8", "*fp32"] + ["*i32"] * 6 + ["*i8"]
+SCAN_TYPES += ["*i8", "*fp32", "*i8", "*i8", "*fp32", "*i8"]  # the int8 operands (INT8)
 SCAN_TYPES += ["i32"] * 12
 
 
@@ -63,10 +64,13 @@ def _scan_ptx(
     packed: bool = True,
     direct: bool = True,
     seed: tuple[int, bool, bool] = (1, False, False),
+    int8: bool = False,
+    relu_fma: bool = False,
 ) -> str:
     """sm_90 PTX of the scan kernel at the shipped config and Flash's index shapes; `direct`
     False: a piece of several whose buffer goes to the merge as it is (no last cut); `seed`:
-    (COL_STRIDE, SEEDED, REDO)."""
+    (COL_STRIDE, SEEDED, REDO); `int8`: the int8 head loop where a tile allows it (convert
+    "magic", or cvt with `relu_fma`)."""
     from dsv4cp.kernels import indexer_topk as m
     from dsv4cp.kernels.indexer_topk_scan import scan_kernel
 
@@ -76,7 +80,7 @@ def _scan_ptx(
         BS=8, DIRECT=direct, PREFIX=not member, FINAL_CUT=direct, D=128, BLOCK_T=block_t,
         BLOCK_N=block_n, STAGES=stages, UPCAST=False, DOT_PREC="tf32", QAT=qat, RNE=False,
         PACKED=packed, KEY_BITS=16 if qat else 32, COL_STRIDE=seed[0], SEEDED=seed[1],
-        REDO=seed[2],
+        REDO=seed[2], INT8=int8, CVT=relu_fma, RELU_FMA=relu_fma,
     )  # fmt: skip
     return _compile(scan_kernel, SCAN_TYPES, const, warps, stages)
 
@@ -104,6 +108,24 @@ def test_seeded_scan_and_its_passes_compile_for_sm90(direct: bool) -> None:
     for seed in ((128, False, False), (1, True, False), (1, False, True)):
         ptx = _scan_ptx(member=False, block_max=True, qat=True, direct=direct, seed=seed)
         assert "wgmma.mma_async" in ptx
+
+
+@pytest.mark.parametrize("relu_fma", [False, True])
+@pytest.mark.parametrize(("member", "block_max"), [(False, False), (False, True), (True, False)])
+def test_int8_scan_compiles_for_sm90(member: bool, block_max: bool, relu_fma: bool) -> None:
+    """INT8 (`launch_mqa_topk(int8_scan=True)`): s8 wgmma for the tiles whose rows and keys are
+    encoded exactly (`indexer_logits_int8.int8_heads`), bf16 wgmma for the others, in each mode;
+    the seed's three passes too."""
+    seeds = ((1, False, False),) + (((128, False, False), (1, True, False), (1, False, True))
+                                    if block_max else ())  # fmt: skip
+    for seed in seeds:
+        ptx = _scan_ptx(member, block_max, qat=True, seed=seed, int8=True, relu_fma=relu_fma)
+        wgmma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+        assert any(".s32.s8.s8" in ln for ln in wgmma), wgmma[:2]
+        assert any(".bf16.bf16" in ln for ln in wgmma), wgmma[:2]
+        assert ("fma.rn.relu.bf16x2" in ptx) == relu_fma
+    off = _scan_ptx(member, block_max, qat=True)  # INT8 off: no int8 MMA
+    assert ".s8.s8" not in off and "wgmma.mma_async" in off
 
 
 def test_scan_qat_unpacked_rounds_one_value_per_instruction() -> None:

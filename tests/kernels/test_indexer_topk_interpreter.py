@@ -33,6 +33,10 @@ CASES = (
     "logits_route",
     "pieces_merged_raw_or_cut",
     "seeded_scan_and_redo",
+    "int8_scan_plain",
+    "int8_scan_candidates_and_consumer",
+    "int8_scan_seeded",
+    "int8_scan_fallback_tiles",
 )
 CFG = (16, 32, 4, 1)  # BLOCK_T, BLOCK_N, warps, stages: several row blocks and tiles
 
@@ -403,6 +407,119 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             kern.SEED_REDO = True
         with pytest.raises(ValueError, match="seed_stride"):
             kern.launch_mqa_topk(q, w, k, nv, 16, config=CFG, seed_stride=-1)
+
+    # int8_scan: the scan's qat logits on int8 MMAs (indexer_logits_int8's head loop, tile by
+    # tile) must select what the bf16 scan and the twin select, bit for bit, on fake-fp4 inputs.
+    from dsv4cp.ops.attention_quant import fake_quant_index_fp4
+
+    def fp4_inputs(t: int, h: int, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        q = fake_quant_index_fp4(torch.randn(t, h, 128, generator=g)).bfloat16()
+        k = fake_quant_index_fp4(torch.randn(n, 128, generator=g)).bfloat16()
+        w = torch.randn(t, h, generator=g) / h
+        nv = torch.randint(0, n + 1, (t,), generator=g)
+        return q, w, k, nv
+
+    def int8_equal(q, w, k, nv, k_top: int, what: str, want=None, **kw):
+        """int8_scan=True against int8_scan=False (and `want`, the twin's): (top-k, blocks)."""
+        got = kern.launch_mqa_topk(q, w, k, nv, k_top, quant="qat", int8_scan=True, **kw)
+        ref = kern.launch_mqa_topk(q, w, k, nv, k_top, quant="qat", int8_scan=False, **kw)
+        equal(got[0], ref[0], f"int8 scan {what}")
+        if ref[1] is not None:
+            equal(got[1], ref[1], f"int8 scan blocks {what}")
+        if want is not None:
+            equal(got[0], want, f"int8 scan against the twin {what}")
+        return got
+
+    def int8_scan_plain():
+        q, w, k, nv = fp4_inputs(37, 4, 150, seed=21)
+        nv[:4] = torch.tensor([150, 0, 8, 9])
+        want = ops.mqa_topk(q, w, k, nv, 8, quant="qat")
+        for pieces, cap in ((None, None), (3, 64)):  # cap 64: cuts; 3 pieces: the merge
+            kw = dict(config=CFG, pieces=pieces, cap=cap, route="scan")
+            int8_equal(q, w, k, nv, 8, f"pieces={pieces}", want, **kw)
+        # the control: the int8 path is the one taken (a wrong key scale changes the selection)
+        encode = kern.encode_int8
+
+        def wrong_scale(x: torch.Tensor, *a: object):
+            codes, scale, ok = encode(x, *a)
+            return codes, scale * (1 + (torch.arange(len(scale)) % 2)), ok
+
+        try:
+            kern.encode_int8 = wrong_scale
+            got, _ = kern.launch_mqa_topk(q, w, k, nv, 8, config=CFG, quant="qat", int8_scan=True)
+        finally:
+            kern.encode_int8 = encode
+        assert not torch.equal(got, want), "the int8 scan did not take the keys' scales"
+        # the knob's default (SCAN_INT8) and a non-bf16 q (no int8: the bf16 scan's selection)
+        equal(kern.launch_mqa_topk(q, w, k, nv, 8, config=CFG, quant="qat")[0], want, "default")
+        got, _ = kern.launch_mqa_topk(q.float(), w, k.float(), nv, 8, config=CFG, quant="qat",
+                                      int8_scan=True)  # fmt: skip
+        equal(got, want, "fp32 q")
+
+    def int8_scan_candidates_and_consumer():
+        # two requests in one row block (k_start segments), the candidate source's blocks and
+        # the consumer's map mode, one piece and several
+        q, w, k, nv = fp4_inputs(29, 4, 180, seed=22)
+        ks = torch.cat([torch.zeros(11, dtype=torch.long), torch.full((18,), 30)])
+        nv = torch.minimum(nv, 180 - ks)
+        nv[:3] = torch.tensor([0, 1, 149])
+        ids = torch.randint(-1, 40, (29, 7), generator=torch.Generator().manual_seed(23)).int()
+        want = ops.mqa_topk(q, w, k, nv, 8, k_start=ks, width=141, quant="qat")
+        want_among = ops.mqa_topk_among_blocks(q, w, k, nv, ids, 4, 8, k_start=ks, width=141,
+                                               quant="qat")  # fmt: skip
+        for pieces in (None, 3):
+            kw = dict(config=CFG, pieces=pieces, cap=64, k_start=ks, width=141)
+            int8_equal(q, w, k, nv, 8, f"plain k_start pieces={pieces}", want, route="scan", **kw)
+            int8_equal(q, w, k, nv, 8, f"source pieces={pieces}", want, block_size=4,
+                       max_blocks=6, **kw)  # fmt: skip
+            int8_equal(q, w, k, nv, 8, f"consumer pieces={pieces}", want_among, block_ids=ids,
+                       block_size=4, consumer="map", **kw)  # fmt: skip
+
+    def int8_scan_seeded():
+        # the seed's sample (a column stride), the seeded pass and the redo (rank 1 leaves rows
+        # short), with k_start; then a width of 4K, where plan_seed plans the seed itself
+        q, w, k, nv = fp4_inputs(27, 4, 200, seed=24)
+        ks = torch.cat([torch.zeros(13, dtype=torch.long), torch.full((14,), 40)])
+        nv = torch.minimum(nv, 200 - ks)
+        nv[:4] = torch.tensor([200, 0, 5, 17])
+        want = ops.mqa_topk(q, w, k, nv, 16, k_start=ks, width=160, quant="qat")
+        for rank in (None, 1):
+            for pieces in (1, 3):
+                kw = dict(config=CFG, pieces=pieces, cap=64, seed_stride=4, seed_rank=rank,
+                          k_start=ks, width=160)  # fmt: skip
+                int8_equal(q, w, k, nv, 16, f"seed rank={rank} pieces={pieces}", want, **kw)
+                int8_equal(q, w, k, nv, 16, f"seeded source rank={rank} pieces={pieces}",
+                           block_size=4, max_blocks=12, **kw)  # fmt: skip
+        from dsv4cp.kernels.indexer_topk_plan import plan_seed
+
+        q, w, k, nv = fp4_inputs(16, 2, 4096, seed=25)
+        nv[:2] = torch.tensor([4096, 3000])
+        assert plan_seed(4096, 16, False, None, None)[0] > 1
+        kw = dict(config=(16, 128, 4, 1), route="scan")
+        int8_equal(q, w, k, nv, 16, "width 4K", ops.mqa_topk(q, w, k, nv, 16, quant="qat"), **kw)
+
+    def int8_scan_fallback_tiles():
+        # vectors the encoding cannot hold: their tiles take the bf16 steps in the int8 launch
+        from dsv4cp.kernels.indexer_logits_int8 import encode_int8
+
+        q, w, k, nv = fp4_inputs(40, 8, 160, seed=26)
+        k[9] *= 4.0  # a key most rows select or drop, whose codes (zeros) cannot be used
+        k[9, 32:64] *= 2.0**-9  # a block 2^9 below the key's largest: not n · 2^E
+        q[22, 4, 32:64] *= 2.0**-9  # a head the int8 path would drop (rows 0-15: all usable)
+        q[30, 4] *= 2.0**-40  # E < -30; and a weight below 2^-30
+        w[20, 1] = 2.0**-35
+        ks = torch.cat([torch.zeros(24, dtype=torch.long), torch.full((16,), 20)])
+        nv = torch.minimum(nv, 160 - ks)
+        nv[:4] = 140
+        assert encode_int8(k)[2][9].item() == 0
+        assert encode_int8(q, w)[2][[20, 22, 30]].tolist() == [0, 0, 0]
+        want = ops.mqa_topk(q, w, k, nv, 8, k_start=ks, width=140, quant="qat")
+        for pieces in (None, 2):
+            kw = dict(config=CFG, pieces=pieces, cap=64, k_start=ks, width=140)
+            int8_equal(q, w, k, nv, 8, f"fallback pieces={pieces}", want, route="scan", **kw)
+            int8_equal(q, w, k, nv, 8, f"fallback source pieces={pieces}", block_size=4,
+                       max_blocks=6, **kw)  # fmt: skip
 
     return {name: fn for name, fn in locals().items() if name in CASES}
 

@@ -267,3 +267,22 @@ def launch_mqa_logits_int8(
         launch_mixed_rows(args, grid, block_t, block_n, True)
     return out
 
+
+# The scan's int8 head loop (`indexer_topk_scan.scan_kernel`, INT8): the logits route's shipped
+# form (convert "magic", no relu_fma); the other forms are the same values.
+SCAN_CONVERT = "magic"
+SCAN_RELU_FMA = False
+
+
+def scan_int8_args(
+    q: Tensor, weights: Tensor, k_encoded: tuple[Tensor, Tensor, Tensor] | None, stub: Tensor
+) -> tuple[tuple[Tensor, ...], dict[str, bool]]:
+    """scan_kernel's int8 operands for one launch's query rows — (q8, w2, qok) of
+    encode_int8(q, weights), then `k_encoded` = encode_int8(k), made once for every launch of
+    the keys — and its INT8, CVT, RELU_FMA flags; with k_encoded None the scan stays on bf16
+    MMAs (`stub` for every operand, INT8 off)."""
+    flags = {"INT8": k_encoded is not None, "CVT": SCAN_CONVERT == "cvt",
+             "RELU_FMA": SCAN_RELU_FMA}  # fmt: skip
+    if k_encoded is None:
+        return (stub,) * 6, flags
+    return (*encode_int8(q, weights), *k_encoded), flags

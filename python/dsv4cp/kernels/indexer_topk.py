@@ -40,6 +40,7 @@ from torch import Tensor
 
 from dsv4cp.kernels._triton import dot_flags
 from dsv4cp.kernels.indexer_logits import check_mqa_logits
+from dsv4cp.kernels.indexer_logits_int8 import encode_int8, scan_int8_args
 from dsv4cp.kernels.indexer_topk_gather import launch_gather
 from dsv4cp.kernels.indexer_topk_logits import logits_then_topk
 from dsv4cp.kernels.indexer_topk_merge import merge_kernel
@@ -58,6 +59,7 @@ LOGITS_ROUTE_MAX_WIDTH = 8192  # a plain top-k this narrow: logits to memory, th
 LOGITS_ROUTE_KEYS_PER_ROW = 4
 TOPK_ROUTES = ("auto", "scan", "logits")
 LOGITS_INT8 = True  # the logits route's qat logits on int8 MMAs (indexer_logits_int8)
+SCAN_INT8 = False  # the scan's likewise, tile by tile (opt-in: the same selections, not timed)
 SEED_REDO = True  # the redo of rows a seed left short (tests turn it off to see the seed prune)
 # (BLOCK_T, BLOCK_N, num_warps, num_stages): the mqa_logits kernel's H200 default.
 DEFAULT_CONFIG = (64, 128, 4, 2)
@@ -112,6 +114,7 @@ def launch_mqa_topk(
     packed: bool = True,
     fill_logits: bool = False,
     int8_logits: bool | None = None,
+    int8_scan: bool | None = None,
     route: str = "scan",
     seed_stride: int | None = None,
     seed_rank: int | None = None,
@@ -134,9 +137,10 @@ def launch_mqa_topk(
     same bits as `packed=False`, which rounds one value at a time). `fill_logits`: the logits
     route writes -inf to the logits its selection never reads (j ≥ n_visible; before §37 it
     did; the same selection). `int8_logits`: the logits route's qat logits on int8 MMAs
-    (`indexer_logits_int8`, the same logits; None: LOGITS_INT8). `route`: "scan" (the fused
-    kernel, which the other knobs tune), "logits" (the plain top-k only: logits to memory, then
-    the selection kernel), or "auto" (`pick_route`, what the layer's calls take).
+    (`indexer_logits_int8`, the same logits; None: LOGITS_INT8); `int8_scan`: the scan's, tile by
+    tile (bf16 q; the same selections; None: SCAN_INT8). `route`: "scan" (the fused kernel,
+    which the other knobs tune), "logits" (the plain top-k only: logits to memory, then the
+    selection kernel), or "auto" (`pick_route`, what the layer's calls take).
     `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     scan_knobs = (config, pieces, cap, row_group, consumer, seed_stride, seed_rank) != (
@@ -195,6 +199,8 @@ def launch_mqa_topk(
     if weights.stride(1) != 1:
         weights = weights.contiguous()
     n_visible = n_visible.contiguous()
+    int8 = qat and q.dtype == torch.bfloat16 and (SCAN_INT8 if int8_scan is None else int8_scan)
+    k8 = encode_int8(k) if int8 else None  # the keys' codes, once for every launch
     nb = triton.cdiv(width, block_size) if (member_mode or max_blocks) else 1
     if block_ids is not None:
         if consumer not in ("auto", "map", "gather"):
@@ -256,6 +262,7 @@ def launch_mqa_topk(
                     MB_PAD=triton.next_power_of_2(ids.shape[1]),
                 )  # fmt: skip
         o = out[a:b]
+        i8, i8_flags = scan_int8_args(q[a:b], weights[a:b], k8, cnt)
         ks = nv if k_start is None else k_start[a:b].contiguous()
         strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(0), o.stride(0))
         # the pieces' running buffers go to the merge as they are when they all fit its registers
@@ -270,20 +277,20 @@ def launch_mqa_topk(
             nv_s = (nv.clamp(0, width) + stride - 1) // stride
             width_s = triton.cdiv(width, stride)
             scan_kernel[(triton.cdiv(rows, block_t), 1)](  # its last cut's τ is the seed
-                q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, si_s, cnt_s, seed, o,
-                seed, redo, rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
+                q[a:b], weights[a:b], k, nv_s, ks, member, bmax, sk_s, si_s, cnt_s, seed, o, seed,
+                redo, *i8, rows, h, n, width_s, 1, triton.cdiv(width_s, block_n) * block_n, nb,
                 *strides, K=rank, K_PAD=triton.next_power_of_2(rank), CAP=cap_s, MEMBER=False,
                 BLOCK_MAX=False, DIRECT=False, PREFIX=False, FINAL_CUT=True, COL_STRIDE=stride,
-                SEEDED=False, REDO=False, **same,
+                SEEDED=False, REDO=False, **same, **i8_flags,
             )  # fmt: skip
         passes = ((True, False), (False, True))[: 1 + SEED_REDO] if stride else ((False, False),)
         for seeded, again in passes:  # with a seed: the seeded pass, then the redo of short rows
             scan_kernel[(triton.cdiv(rows, block_t), p)](
-                q[a:b], weights[a:b], k, nv, ks, member, bmax, sk, si, cnt, tau, o, seed, redo,
+                q[a:b], weights[a:b], k, nv, ks, member, bmax, sk, si, cnt, tau, o, seed, redo, *i8,
                 rows, h, n, width, p, piece_w, nb, *strides,
                 K=k_top, K_PAD=k_pad, CAP=cap, MEMBER=member_mode,
                 BLOCK_MAX=bool(max_blocks) and not again, DIRECT=p == 1, PREFIX=not member_mode,
-                FINAL_CUT=not raw, COL_STRIDE=1, SEEDED=seeded, REDO=again, **same,
+                FINAL_CUT=not raw, COL_STRIDE=1, SEEDED=seeded, REDO=again, **same, **i8_flags,
             )  # fmt: skip
             if p > 1:
                 merge_kernel[(rows,)](

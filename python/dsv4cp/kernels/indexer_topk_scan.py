@@ -31,6 +31,10 @@ The seed (`indexer_topk_plan.plan_seed`), three launches of the same kernel:
   more than K columns) is flagged, by the direct write or by the merge (FLAG);
 - REDO: the unseeded pass again, for the row blocks holding a flagged row only (the others
   return at once), and the merge of the flagged rows (REDO there too).
+
+INT8 (qat, opt-in: `launch_mqa_topk(int8_scan=True)`): a tile whose active rows and keys are all
+encoded exactly (`indexer_logits_int8.encode_int8`'s ok flags) takes that module's int8 head
+loop (`int8_heads`) and the keys' 2^Ek, the others the bf16 steps: the same bits either way.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import triton
 import triton.language as tl
 
 from dsv4cp.kernels.index_score import add_heads, index_score
+from dsv4cp.kernels.indexer_logits_int8 import int8_heads
 from dsv4cp.kernels.running_topk import cut_block
 from dsv4cp.kernels.topk_common import sortable_key
 
@@ -47,6 +52,7 @@ from dsv4cp.kernels.topk_common import sortable_key
 def scan_kernel(
     q_ptr, w_ptr, k_ptr, nvis_ptr, kstart_ptr, member_ptr, bmax_ptr,
     sk_ptr, si_ptr, cnt_ptr, tau_ptr, out_ptr, seed_ptr, redo_ptr,
+    q8_ptr, w2_ptr, qok_ptr, k8_ptr, kscale_ptr, kok_ptr,
     T, H, N, WIDTH, PIECES, PIECE_W, NB,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ot,
     K: tl.constexpr, K_PAD: tl.constexpr, CAP: tl.constexpr, RG: tl.constexpr,
@@ -56,6 +62,7 @@ def scan_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QAT: tl.constexpr, RNE: tl.constexpr,
     PACKED: tl.constexpr, COL_STRIDE: tl.constexpr, SEEDED: tl.constexpr, REDO: tl.constexpr,
+    INT8: tl.constexpr, CVT: tl.constexpr, RELU_FMA: tl.constexpr,
 ):  # fmt: skip
     first_row = tl.program_id(0) * BLOCK_T
     piece = tl.program_id(1)
@@ -81,29 +88,48 @@ def scan_kernel(
         seed = tl.load(seed_ptr + rows, mask=row_ok, other=-2147483648)
         tau = tl.where(seed > -2147483648, seed - 1, seed)
     floor = tau
+    if INT8:  # the rows' encode_int8 flags (1: the exact int8 path holds the row)
+        q_ok = tl.load(qok_ptr + rows, mask=row_ok, other=1).to(tl.int32)
     done = (rows >= T).to(tl.int32)
     while tl.min(done, 0) == 0:  # one segment per distinct k_start
         ks_cur = tl.min(tl.where(done != 0, 2147483647, ks), 0)
         active = (done == 0) & (ks == ks_cur)
         hi = tl.minimum(c1, tl.max(tl.where(active, nv, 0), 0))
+        if INT8:  # the segment's rows only: the others read zeros either way
+            q_exact = tl.min(tl.where(active, q_ok, 1), 0)
         for n0 in range(c0, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             key_rows = ks_cur + cols * COL_STRIDE  # COL_STRIDE > 1: the seed's sample
-            kt = tl.load(
-                k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
-                mask=((cols < hi) & (key_rows < N))[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                kt = kt.to(tl.float32)
+            key_ok = (cols < hi) & (key_rows < N)
+            exact = False  # the tile on int8 MMAs (INT8: its rows and keys all encoded exactly)
+            if INT8:
+                k_exact = tl.min(tl.load(kok_ptr + key_rows, mask=key_ok, other=1).to(tl.int32), 0)
+                exact = (q_exact == 1) & (k_exact == 1)
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
-            w_ptrs = w_ptr + rows64 * stride_wt
-            acc = add_heads(
-                acc, q_ptrs, w_ptrs, kt, active, H, stride_qh, QAT, RNE,
-                PACKED, UPCAST, DOT_PREC, STAGES,
-            )  # fmt: skip
-            acc = index_score(acc, QAT, RNE, PACKED)
+            if exact:  # indexer_logits_int8's steps: the same bits
+                k8 = tl.load(k8_ptr + key_rows[None, :].to(tl.int64) * D + d[:, None],
+                             mask=key_ok[None, :], other=0)  # fmt: skip
+                col_scale = tl.load(kscale_ptr + key_rows, mask=key_ok, other=1.0)
+                acc = int8_heads(
+                    acc, q8_ptr + rows64[:, None] * H * D + d[None, :], w2_ptr + rows64 * H, k8,
+                    active, H, D, RNE, PACKED, CVT, RELU_FMA, STAGES,
+                )  # fmt: skip
+                acc = index_score(acc, QAT, RNE, PACKED) * col_scale[None, :]
+            else:
+                kt = tl.load(
+                    k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
+                    mask=key_ok[None, :],
+                    other=0.0,
+                )
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
+                w_ptrs = w_ptr + rows64 * stride_wt
+                acc = add_heads(
+                    acc, q_ptrs, w_ptrs, kt, active, H, stride_qh, QAT, RNE,
+                    PACKED, UPCAST, DOT_PREC, STAGES,
+                )  # fmt: skip
+                acc = index_score(acc, QAT, RNE, PACKED)
             vis = active[:, None] & (cols[None, :] < nv[:, None])
             if BLOCK_MAX:
                 blk = tl.max(
