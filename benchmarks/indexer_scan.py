@@ -15,7 +15,9 @@ picked by width and rows) on the index source, and in qat `route=logits/unpacked
 route with its logits kernel's bf16 roundings one value per instruction (before §36);
 `route=logits/fill` that route writing -inf past each row's visible keys (before §37);
 `route=logits/bf16` in qat the route's logits on bf16 MMAs instead of int8 (before §40).
-`--only` picks variants by name.
+In qat `route=scan/int8` (every role) and `consumer=map/int8` (the consumer) time the scan with
+its logits on int8 MMAs (`int8_scan=True`, opt-in, not yet timed): A/B them against
+`route=scan` and `consumer=map` of the same run. `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
 weights, in qat fake-fp4 queries and keys as the layer's; 32 heads × 128, top-k 512,
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant == "qat":
         variants += [("route=logits/bf16", {"route": "logits", "int8_logits": False})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
+    if args.quant == "qat":  # the scan on int8 MMAs (opt-in): against route=scan, consumer=map
+        variants += [("route=scan/int8", {"route": "scan", "int8_scan": True})]
+        variants += [("consumer=map/int8", {"consumer": "map", "route": "scan", "int8_scan": True})]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]

@@ -198,3 +198,55 @@ def test_seeded_scan_and_its_redo_match_ops(t: int, pieces: int | None) -> None:
         assert blocks is not None
         _equal(top, want_top)
         _equal(blocks, want_blocks)
+
+
+@pytest.mark.parametrize("pieces", [None, 3])
+def test_int8_scan_selects_as_the_bf16_scan(pieces: int | None) -> None:
+    """`int8_scan=True` (the scan's qat logits on int8 MMAs where a tile's rows and keys are
+    encoded exactly, bf16 MMAs elsewhere) at Flash dims on fake-fp4 inputs: the bf16 scan's
+    selections bit for bit — plain top-k with the seed and its redo, two requests (k_start),
+    the candidate source's blocks and the consumer's map mode, with a key and a query row the
+    encoding cannot hold (their tiles on the bf16 steps)."""
+    from dsv4cp.kernels import indexer_topk as kern
+    from dsv4cp.ops.attention_quant import fake_quant_index_fp4
+
+    g = torch.Generator(device="cuda").manual_seed(31)
+    t, n = 600, 9000
+    q = fake_quant_index_fp4(torch.randn(t, H, D, device="cuda", generator=g)).bfloat16()
+    k = fake_quant_index_fp4(torch.randn(n, D, device="cuda", generator=g)).bfloat16()
+    w = torch.randn(t, H, device="cuda", generator=g) / H
+    k[9] *= 4.0
+    k[9, 32:64] *= 2.0**-9  # not n · 2^E: the tiles holding key 9 take the bf16 steps
+    q[70, 4, 32:64] *= 2.0**-9
+    ks = torch.cat([torch.zeros(300), torch.full((300,), 3000.0)]).long().cuda()
+    nv = torch.cat([2700 + torch.arange(1, 301), 5700 + torch.arange(1, 301)]).cuda()
+    nv[:2] = torch.tensor([0, 513], device="cuda")
+
+    def both(**kw: object) -> None:
+        a = launch_mqa_topk(q, w, k, nv, 512, quant="qat", pieces=pieces, int8_scan=True, **kw)
+        b = launch_mqa_topk(q, w, k, nv, 512, quant="qat", pieces=pieces, int8_scan=False, **kw)
+        _equal(a[0], b[0])
+        if b[1] is not None:
+            assert a[1] is not None
+            _equal(a[1], b[1])
+
+    both(route="scan")  # the width 6000 ≥ 4K: the seed's three passes
+    both(route="scan", seed_rank=1)  # most rows short: redone
+    both(k_start=ks, width=6000, route="scan")
+    both(k_start=ks, width=6000, block_size=8, max_blocks=256)
+    _, blocks = launch_mqa_topk(q, w, k, nv, 512, quant="qat", block_size=8, max_blocks=256)
+    assert blocks is not None
+    both(k_start=ks, width=6000, block_ids=blocks, block_size=8, consumer="map")
+    # the control: the int8 path is taken (a wrong key scale changes the selection)
+    encode = kern.encode_int8
+
+    def wrong_scale(x: torch.Tensor, *a: object) -> tuple[torch.Tensor, ...]:
+        codes, scale, ok = encode(x, *a)  # type: ignore[arg-type]
+        return codes, scale * (1 + (torch.arange(len(scale), device="cuda") % 2)), ok
+
+    try:
+        kern.encode_int8 = wrong_scale  # type: ignore[assignment]
+        got = launch_mqa_topk(q, w, k, nv, 512, quant="qat", route="scan", int8_scan=True)[0]
+    finally:
+        kern.encode_int8 = encode
+    assert not torch.equal(got, launch_mqa_topk(q, w, k, nv, 512, quant="qat", route="scan")[0])
