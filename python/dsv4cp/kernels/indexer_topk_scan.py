@@ -116,11 +116,8 @@ def scan_kernel(
                 )  # fmt: skip
                 acc = index_score(acc, QAT, RNE, PACKED) * col_scale[None, :]
             else:
-                kt = tl.load(
-                    k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None],
-                    mask=key_ok[None, :],
-                    other=0.0,
-                )
+                k_ptrs = k_ptr + key_rows[None, :].to(tl.int64) * stride_kn + d[:, None]
+                kt = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
                 if UPCAST:
                     kt = kt.to(tl.float32)
                 q_ptrs = q_ptr + rows64[:, None] * stride_qt + d[None, :]
