@@ -16,7 +16,9 @@ route with its logits kernel's bf16 roundings one value per instruction (before 
 `route=logits/fill` that route writing -inf past each row's visible keys (before §37);
 `route=logits/bf16` in qat the route's logits on bf16 MMAs instead of int8 (before §40).
 In qat `route=scan/int8` (every role) and `consumer=map/int8` (the consumer) time the scan with
-its logits on int8 MMAs (`int8_scan=True`, opt-in, not yet timed): A/B them against
+its logits on int8 MMAs (`int8_scan=True`, opt-in, not yet timed), and `…/int8-cvt-fma` with
+its head loop's other form (`indexer_logits_int8.SCAN_CONVERT = "cvt"`, `SCAN_RELU_FMA`: 348
+SASS instructions a head step against 439, the bf16 scan's 342): A/B them against
 `route=scan` and `consumer=map` of the same run. `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks.benchutil import Table, finish, time_cuda
+from dsv4cp.kernels import indexer_logits_int8 as int8
 from dsv4cp.kernels import indexer_topk as kernel
 from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 
@@ -71,7 +74,14 @@ def _roles(t: int, quant: str, prefix: int = 0) -> dict[str, Callable[[Variant],
     assert blocks is not None
 
     def run(keys: torch.Tensor, nv: torch.Tensor, v: Variant, **kw: Any) -> Any:
-        return kernel.launch_mqa_topk(q, w, keys, nv, TOP_K, quant=quant, **v[1], **kw)
+        knobs = dict(v[1])
+        form = knobs.pop("int8_form", (int8.SCAN_CONVERT, int8.SCAN_RELU_FMA))
+        shipped_form = int8.SCAN_CONVERT, int8.SCAN_RELU_FMA
+        try:  # the scan's int8 head loop in another form (module constants, the same values)
+            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = form
+            return kernel.launch_mqa_topk(q, w, keys, nv, TOP_K, quant=quant, **knobs, **kw)
+        finally:
+            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = shipped_form
 
     mean_visible = float(nv1.double().mean())  # as the layer passes it (batch metadata)
 
@@ -130,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         variants += [("route=logits/bf16", {"route": "logits", "int8_logits": False})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.quant == "qat":  # the scan on int8 MMAs (opt-in): against route=scan, consumer=map
+        cvt_fma = {"int8_scan": True, "int8_form": ("cvt", True)}
         variants += [("route=scan/int8", {"route": "scan", "int8_scan": True})]
+        variants += [("route=scan/int8-cvt-fma", {"route": "scan", **cvt_fma})]
         variants += [("consumer=map/int8", {"consumer": "map", "route": "scan", "int8_scan": True})]
+        variants += [("consumer=map/int8-cvt-fma", {"consumer": "map", "route": "scan", **cvt_fma})]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]

@@ -8,6 +8,8 @@ test_indexer_topk_interpreter.py, the sm90 compile in test_indexer_topk_compile.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -200,14 +202,26 @@ def test_seeded_scan_and_its_redo_match_ops(t: int, pieces: int | None) -> None:
         _equal(blocks, want_blocks)
 
 
-@pytest.mark.parametrize("pieces", [None, 3])
-def test_int8_scan_selects_as_the_bf16_scan(pieces: int | None) -> None:
+@pytest.mark.parametrize(("pieces", "form"), [(None, ("magic", False)), (3, ("magic", False)),
+                                              (None, ("cvt", True))])  # fmt: skip
+def test_int8_scan_selects_as_the_bf16_scan(pieces: int | None, form: tuple[str, bool]) -> None:
     """`int8_scan=True` (the scan's qat logits on int8 MMAs where a tile's rows and keys are
     encoded exactly, bf16 MMAs elsewhere) at Flash dims on fake-fp4 inputs: the bf16 scan's
     selections bit for bit — plain top-k with the seed and its redo, two requests (k_start),
     the candidate source's blocks and the consumer's map mode, with a key and a query row the
-    encoding cannot hold (their tiles on the bf16 steps)."""
+    encoding cannot hold (their tiles on the bf16 steps); the head loop's shipped form and
+    cvt with relu_fma (`indexer_logits_int8.SCAN_CONVERT`, `SCAN_RELU_FMA`)."""
+    from dsv4cp.kernels import indexer_logits_int8 as int8
     from dsv4cp.kernels import indexer_topk as kern
+
+    int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = form
+    try:
+        _int8_scan_cases(pieces, kern)
+    finally:
+        int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "magic", False
+
+
+def _int8_scan_cases(pieces: int | None, kern: Any) -> None:
     from dsv4cp.ops.attention_quant import fake_quant_index_fp4
 
     g = torch.Generator(device="cuda").manual_seed(31)

@@ -438,6 +438,13 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
         for pieces, cap in ((None, None), (3, 64)):  # cap 64: cuts; 3 pieces: the merge
             kw = dict(config=CFG, pieces=pieces, cap=cap, route="scan")
             int8_equal(q, w, k, nv, 8, f"pieces={pieces}", want, **kw)
+        from dsv4cp.kernels import indexer_logits_int8 as int8
+
+        try:  # the int32 sums to fp32 by cvt (relu_fma: GPU only)
+            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "cvt", True
+            int8_equal(q, w, k, nv, 8, "convert=cvt", want, config=CFG, route="scan")
+        finally:
+            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "magic", False
         # the control: the int8 path is the one taken (a wrong key scale changes the selection)
         encode = kern.encode_int8
 
