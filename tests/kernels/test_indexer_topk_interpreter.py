@@ -482,6 +482,9 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
                        max_blocks=6, **kw)  # fmt: skip
             int8_equal(q, w, k, nv, 8, f"consumer pieces={pieces}", want_among, block_ids=ids,
                        block_size=4, consumer="map", **kw)  # fmt: skip
+        # the gather consumer keeps its bf16 kernel: the knob changes nothing there
+        int8_equal(q, w, k, nv, 8, "gather", want_among, block_ids=ids, block_size=4,
+                   consumer="gather", config=CFG, k_start=ks, width=141)  # fmt: skip
 
     def int8_scan_seeded():
         # the seed's sample (a column stride), the seeded pass and the redo (rank 1 leaves rows

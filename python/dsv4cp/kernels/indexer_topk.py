@@ -138,9 +138,10 @@ def launch_mqa_topk(
     route writes -inf to the logits its selection never reads (j ≥ n_visible; before §37 it
     did; the same selection). `int8_logits`: the logits route's qat logits on int8 MMAs
     (`indexer_logits_int8`, the same logits; None: LOGITS_INT8); `int8_scan`: the scan's, tile by
-    tile (bf16 q; the same selections; None: SCAN_INT8). `route`: "scan" (the fused kernel,
-    which the other knobs tune), "logits" (the plain top-k only: logits to memory, then the
-    selection kernel), or "auto" (`pick_route`, what the layer's calls take).
+    tile (bf16 q, not the gather consumer; the same selections; None: SCAN_INT8). `route`:
+    "scan" (the fused kernel, which the other knobs tune), "logits" (the plain top-k only:
+    logits to memory, then the selection kernel), or "auto" (`pick_route`, what the layer's
+    calls take).
     `seed_stride`, `seed_rank`: the scan's seed (`plan_seed`; 0 turns it off, default planned)."""
     check_mqa_topk(q, weights, k, n_visible, k_top)
     scan_knobs = (config, pieces, cap, row_group, consumer, seed_stride, seed_rank) != (
@@ -199,8 +200,6 @@ def launch_mqa_topk(
     if weights.stride(1) != 1:
         weights = weights.contiguous()
     n_visible = n_visible.contiguous()
-    int8 = qat and q.dtype == torch.bfloat16 and (SCAN_INT8 if int8_scan is None else int8_scan)
-    k8 = encode_int8(k) if int8 else None  # the keys' codes, once for every launch
     nb = triton.cdiv(width, block_size) if (member_mode or max_blocks) else 1
     if block_ids is not None:
         if consumer not in ("auto", "map", "gather"):
@@ -210,6 +209,8 @@ def launch_mqa_topk(
             launch_gather(q, weights, k, n_visible, k_start, block_ids, out, width, block_size,
                            block_n, cap, nb, qat, key_bits, packed)  # fmt: skip
             return out, None
+    int8 = qat and q.dtype == torch.bfloat16 and (SCAN_INT8 if int8_scan is None else int8_scan)
+    k8 = encode_int8(k) if int8 else None  # the keys' codes, once for every launch
     same = dict(  # the scan launches' common arguments: the sample's, the seeded, the redo
         RG=row_group,
         KEY_BITS=key_bits,
