@@ -16,9 +16,10 @@ route with its logits kernel's bf16 roundings one value per instruction (before 
 `route=logits/fill` that route writing -inf past each row's visible keys (before §37);
 `route=logits/bf16` in qat the route's logits on bf16 MMAs instead of int8 (before §40).
 In qat `route=scan/int8` (every role) and `consumer=map/int8` (the consumer) time the scan with
-its logits on int8 MMAs (`int8_scan=True`, opt-in, not yet timed), and `…/int8-cvt-fma` with
-its head loop's other form (`indexer_logits_int8.SCAN_CONVERT = "cvt"`, `SCAN_RELU_FMA`: 348
-SASS instructions a head step against 439, the bf16 scan's 342): A/B them against
+its logits on int8 MMAs (`int8_scan=True`, opt-in, not yet timed; its head loop in the logits
+kernel's cvt + relu_fma form, 348 SASS instructions a head step, the bf16 scan's 342), and
+`…/int8-magic` with the other form (`indexer_logits_int8.SCAN_CONVERT = "magic"`,
+`SCAN_RELU_FMA = False`: 439): A/B them against
 `route=scan` and `consumer=map` of the same run. `--only` picks variants by name.
 
 Roles, one request, a cold prefill of `--tokens` (random bf16 queries, keys and fp32 head
@@ -140,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         variants += [("route=logits/bf16", {"route": "logits", "int8_logits": False})]
     variants += [(f"consumer={m}", {"consumer": m, "route": "scan"}) for m in ("map", "gather")]
     if args.quant == "qat":  # the scan on int8 MMAs (opt-in): against route=scan, consumer=map
-        cvt_fma = {"int8_scan": True, "int8_form": ("cvt", True)}
+        magic = {"int8_scan": True, "int8_form": ("magic", False)}
         variants += [("route=scan/int8", {"route": "scan", "int8_scan": True})]
-        variants += [("route=scan/int8-cvt-fma", {"route": "scan", **cvt_fma})]
+        variants += [("route=scan/int8-magic", {"route": "scan", **magic})]
         variants += [("consumer=map/int8", {"consumer": "map", "route": "scan", "int8_scan": True})]
-        variants += [("consumer=map/int8-cvt-fma", {"consumer": "map", "route": "scan", **cvt_fma})]
+        variants += [("consumer=map/int8-magic", {"consumer": "map", "route": "scan", **magic})]
     if args.only:
         names = set(args.only.split(","))
         variants = [v for v in variants if v[0] in names or v[0] == "shipped"]

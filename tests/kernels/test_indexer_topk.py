@@ -209,16 +209,18 @@ def test_int8_scan_selects_as_the_bf16_scan(pieces: int | None, form: tuple[str,
     encoded exactly, bf16 MMAs elsewhere) at Flash dims on fake-fp4 inputs: the bf16 scan's
     selections bit for bit — plain top-k with the seed and its redo, two requests (k_start),
     the candidate source's blocks and the consumer's map mode, with a key and a query row the
-    encoding cannot hold (their tiles on the bf16 steps); the head loop's shipped form and
-    cvt with relu_fma (`indexer_logits_int8.SCAN_CONVERT`, `SCAN_RELU_FMA`)."""
+    encoding cannot hold (their tiles on the bf16 steps); the head loop's two forms, the
+    magic-number add with max and mul, and cvt with relu_fma (the default;
+    `indexer_logits_int8.SCAN_CONVERT`, `SCAN_RELU_FMA`)."""
     from dsv4cp.kernels import indexer_logits_int8 as int8
     from dsv4cp.kernels import indexer_topk as kern
 
+    shipped = int8.SCAN_CONVERT, int8.SCAN_RELU_FMA
     int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = form
     try:
         _int8_scan_cases(pieces, kern)
     finally:
-        int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "magic", False
+        int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = shipped
 
 
 def _int8_scan_cases(pieces: int | None, kern: Any) -> None:

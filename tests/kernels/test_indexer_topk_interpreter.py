@@ -440,11 +440,13 @@ def _cases() -> dict[str, object]:  # noqa: C901 - one namespace of small check 
             int8_equal(q, w, k, nv, 8, f"pieces={pieces}", want, **kw)
         from dsv4cp.kernels import indexer_logits_int8 as int8
 
-        try:  # the int32 sums to fp32 by cvt (relu_fma: GPU only)
-            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "cvt", True
-            int8_equal(q, w, k, nv, 8, "convert=cvt", want, config=CFG, route="scan")
+        shipped = int8.SCAN_CONVERT, int8.SCAN_RELU_FMA
+        try:  # the other conversion of the int32 sums (relu_fma: GPU only)
+            int8.SCAN_CONVERT = "magic" if shipped[0] == "cvt" else "cvt"
+            int8_equal(q, w, k, nv, 8, f"convert={int8.SCAN_CONVERT}", want, config=CFG,
+                       route="scan")  # fmt: skip
         finally:
-            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = "magic", False
+            int8.SCAN_CONVERT, int8.SCAN_RELU_FMA = shipped
         # the control: the int8 path is the one taken (a wrong key scale changes the selection)
         encode = kern.encode_int8
 

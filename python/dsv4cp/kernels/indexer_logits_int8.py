@@ -268,10 +268,10 @@ def launch_mqa_logits_int8(
     return out
 
 
-# The scan's int8 head loop (`indexer_topk_scan.scan_kernel`, INT8): the logits route's shipped
-# form (convert "magic", no relu_fma); the other forms are the same values.
-SCAN_CONVERT = "magic"
-SCAN_RELU_FMA = False
+# The scan's int8 head loop (`indexer_topk_scan.scan_kernel`, INT8): the logits kernel's default
+# form (cvt + relu_fma, docs/performance.md §41); the other forms are the same values.
+SCAN_CONVERT = "cvt"
+SCAN_RELU_FMA = True
 
 
 def scan_int8_args(
